@@ -1,0 +1,416 @@
+"""The trainer-side Loader: `for batch in Loader(...)` or `async for batch in Loader(...)`.
+
+It streams this rank's part of each epoch from a croupier server, rebuilds every batch
+by sample position (so it is identical whatever the arrival order), collates it like a
+DataLoader, and survives dropped connections and restarted servers: it reconnects with
+backoff, to the next server address if several are given, and resumes at the first
+batch it has not yet handed out, so no sample is lost or repeated.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import random
+import threading
+import time
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+import numpy as np
+import torch
+from torch.utils.data import default_collate
+
+from croupier.options import StreamOptions
+from croupier.v1 import croupier_pb2 as pb
+
+from .assemble import BatchAssembler, ProtocolError, RawBatch
+from .samples import ImageDecode, raw_batch_samples
+from .wire import RETRYABLE, Connection
+
+
+class LoaderError(RuntimeError):
+    """The server refused the request, or every retry failed; the message says which and why."""
+
+    def __init__(self, message: str, code: grpc.StatusCode | None = None):
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass
+class Batch:
+    """A collated batch with where it came from in the epoch plan."""
+
+    data: Any
+    epoch: int
+    batch: int
+    indices: np.ndarray
+    padding: np.ndarray
+
+
+@dataclass
+class LoaderStats:
+    batches: int = 0
+    samples: int = 0
+    bytes: int = 0
+    out_of_order: int = 0
+    reconnects: int = 0
+    #: Seconds the consumer spent blocked waiting for the next batch.
+    wait_s: float = 0.0
+    first_batch_s: float | None = None
+    errors: list[str] = field(default_factory=list)
+
+
+def _distributed_default() -> tuple[int, int]:
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_rank(), torch.distributed.get_world_size()
+    return 0, 1
+
+
+def _move(obj: Any, device: torch.device | None, pin: bool) -> Any:
+    if isinstance(obj, torch.Tensor):
+        if pin:
+            obj = obj.pin_memory()
+        return obj.to(device, non_blocking=pin) if device is not None else obj
+    if isinstance(obj, dict):
+        return {k: _move(v, device, pin) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)) and obj and isinstance(obj[0], (torch.Tensor, dict, list, tuple)):
+        return type(obj)(_move(v, device, pin) for v in obj)
+    return obj
+
+
+class Loader:
+    """Batches of one rank's part of a globally shuffled epoch, served by croupier.
+
+    Args:
+        dataset: the server's name for the dataset (or a path under its data root).
+        servers: "host:port", or several replicas serving the same data; rank r starts
+            on servers[r % len] and fails over to the next on errors.
+        batch_size: samples per rank per batch.
+        rank, world_size: default to torch.distributed's when initialised, else 0 and 1.
+        seed, epoch: the plan is a pure function of (seed, epoch, dataset size).
+        drop_last: as DistributedSampler + DataLoader (see croupier.server.planner).
+        ordered: ask for the ordered ablation (one read at a time, in plan order).
+        prefetch: batches the server reads ahead (0: the server's default).
+        columns: table columns to fetch (default all).
+        collate_fn: list of samples -> batch; default `torch.utils.data.default_collate`.
+        transform: applied to every sample dict before collation.
+        decode_images: "tensor" (uint8 CHW), "pil", or "none" (encoded bytes).
+        server_decode: decode images on the server instead (raw pixels on the wire).
+        pin_memory, device: pin and move each batch (non-blocking when pinned).
+        in_order: yield batches in batch order (default); False yields a later batch
+            first when it completes first (resume still loses and repeats nothing).
+        max_retries: consecutive failed attempts before giving up; progress resets it.
+    """
+
+    def __init__(
+        self,
+        dataset: str,
+        *,
+        batch_size: int,
+        servers: str | Sequence[str] = "127.0.0.1:50051",
+        rank: int | None = None,
+        world_size: int | None = None,
+        seed: int = 0,
+        epoch: int = 0,
+        drop_last: bool = False,
+        ordered: bool = False,
+        prefetch: int = 0,
+        columns: Sequence[str] = (),
+        collate_fn: Callable[[list[Any]], Any] | None = None,
+        transform: Callable[[dict[str, Any]], Any] | None = None,
+        decode_images: ImageDecode = "tensor",
+        server_decode: bool = False,
+        pin_memory: bool = False,
+        device: str | torch.device | None = None,
+        in_order: bool = True,
+        max_retries: int = 10,
+        retry_backoff_s: float = 0.1,
+        max_backoff_s: float = 5.0,
+        buffer_batches: int = 4,
+    ):
+        if rank is None or world_size is None:
+            d_rank, d_world = _distributed_default()
+            rank = d_rank if rank is None else rank
+            world_size = d_world if world_size is None else world_size
+        self.servers = [servers] if isinstance(servers, str) else list(servers)
+        if not self.servers:
+            raise ValueError("Loader needs at least one server address")
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be at least 1, got {batch_size}")
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} is outside the world of size {world_size}")
+        self.options = StreamOptions(
+            dataset=dataset,
+            batch_size=batch_size,
+            seed=seed,
+            epoch=epoch,
+            rank=rank,
+            world_size=world_size,
+            drop_last=drop_last,
+            ordered=ordered,
+            prefetch=prefetch,
+            columns=tuple(columns),
+            decode_images=server_decode,
+        )
+        self.collate_fn = collate_fn or default_collate
+        self.transform = transform
+        self.decode_images = decode_images
+        self.pin_memory = pin_memory and torch.cuda.is_available()
+        self.device = torch.device(device) if device is not None else None
+        self.in_order = in_order
+        self.max_retries = max_retries
+        self.retry_backoff_s = retry_backoff_s
+        self.max_backoff_s = max_backoff_s
+        self.buffer_batches = max(1, buffer_batches)
+        self.stats = LoaderStats()
+        self._next_batch = 0  # first batch not yet handed to the user
+        self._ahead: set[int] = set()  # handed out already, beyond _next_batch (in_order=False)
+        self._num_batches: int | None = None
+
+    # ---- epoch and resume state -------------------------------------------------
+    @property
+    def epoch(self) -> int:
+        return self.options.epoch
+
+    @property
+    def rank(self) -> int:
+        return self.options.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.options.world_size
+
+    def set_epoch(self, epoch: int) -> None:
+        """Choose the epoch (its permutation); a new epoch starts at its first batch."""
+        if epoch != self.options.epoch:
+            self.options = self.options.with_(epoch=epoch)
+            self._next_batch, self._ahead = 0, set()
+
+    def state_dict(self) -> dict[str, Any]:
+        """A few integers that resume this rank exactly where the user stopped."""
+        return {
+            "dataset": self.options.dataset,
+            "seed": self.options.seed,
+            "epoch": self.options.epoch,
+            "next_batch": self._next_batch,
+            "batches_ahead": sorted(self._ahead),
+            "rank": self.options.rank,
+            "world_size": self.options.world_size,
+            "batch_size": self.options.batch_size,
+            "drop_last": self.options.drop_last,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for key in ("dataset", "rank", "world_size", "batch_size", "drop_last"):
+            if key in state and state[key] != getattr(self.options, key):
+                raise ValueError(
+                    f"state_dict was saved with {key}={state[key]!r} but this Loader has "
+                    f"{key}={getattr(self.options, key)!r}: resuming would change the plan"
+                )
+        self.options = self.options.with_(seed=int(state["seed"]), epoch=int(state["epoch"]))
+        self._next_batch = int(state["next_batch"])
+        self._ahead = set(int(b) for b in state.get("batches_ahead", ()))
+
+    def __len__(self) -> int:
+        """Batches per epoch for this rank (asks the server for the dataset size once)."""
+        if self._num_batches is None:
+            from croupier.server.planner import EpochPlan
+
+            async def rows() -> int:
+                conn = Connection(self.servers[self.rank % len(self.servers)])
+                try:
+                    return (await conn.describe(self.options.dataset)).num_rows
+                finally:
+                    await conn.close()
+
+            o = self.options
+            n = asyncio.run(rows())
+            self._num_batches = EpochPlan(n, o.seed, o.epoch, o.batch_size, o.world_size, o.drop_last).num_batches
+        return self._num_batches
+
+    # ---- producing batches --------------------------------------------------------
+    async def _raw_batches(self, start: int, ahead: frozenset[int]) -> AsyncIterator[RawBatch]:
+        """RawBatches of the current epoch from `start`, reconnecting as needed."""
+        opts = self.options
+        next_batch, ahead = start, set(ahead)
+        server_i = opts.rank % len(self.servers)
+        failures = 0
+        num_batches: int | None = None
+        while num_batches is None or next_batch < num_batches:
+            address = self.servers[server_i]
+            conn = Connection(address)
+            pending: dict[int, RawBatch] = {}
+            try:
+                call = conn.stream(opts.with_(start_batch=next_batch))
+                assembler: BatchAssembler | None = None
+                async for msg in call:
+                    if msg.HasField("header"):
+                        header = msg.header
+                        if num_batches is not None and header.num_batches != num_batches:
+                            raise ProtocolError(
+                                f"{address} plans {header.num_batches} batches for this epoch, "
+                                f"another server planned {num_batches}: are they serving the same data?"
+                            )
+                        num_batches = header.num_batches
+                        assembler = BatchAssembler(header, skip_batches=frozenset(ahead))
+                        continue
+                    if assembler is None:
+                        raise ProtocolError(f"{address} sent a chunk before the stream header")
+                    for raw in assembler.add(msg.chunk):
+                        failures = 0
+                        if self.in_order:
+                            pending[raw.batch] = raw
+                            while next_batch in pending:
+                                next_batch += 1
+                                yield pending.pop(next_batch - 1)
+                        else:
+                            ahead.add(raw.batch)
+                            yield raw
+                            while next_batch in ahead:
+                                ahead.discard(next_batch)
+                                next_batch += 1
+                    self._account(assembler)
+                if assembler is None:
+                    raise ProtocolError(f"{address} ended the stream without a header")
+                if next_batch < num_batches:
+                    raise ProtocolError(f"{address} ended the stream at batch {next_batch} of {num_batches}")
+            except grpc.aio.AioRpcError as exc:
+                code = exc.code()
+                if code not in RETRYABLE:
+                    raise LoaderError(f"{address}: {code.name}: {exc.details()}", code) from None
+                failures += 1
+                self.stats.errors.append(f"{address}: {code.name}: {exc.details()}")
+                if failures > self.max_retries:
+                    raise LoaderError(
+                        f"gave up after {self.max_retries} retries; last error from {address}: "
+                        f"{code.name}: {exc.details()}",
+                        code,
+                    ) from None
+                self.stats.reconnects += 1
+                server_i = (server_i + 1) % len(self.servers)
+                delay = min(self.max_backoff_s, self.retry_backoff_s * 2 ** (failures - 1))
+                await asyncio.sleep(delay * (0.5 + random.random() / 2))
+            finally:
+                await conn.close()
+
+    def _account(self, assembler: BatchAssembler) -> None:
+        s = assembler.stats
+        self.stats.samples += s.samples
+        self.stats.bytes += s.bytes
+        self.stats.out_of_order += s.out_of_order
+        s.samples = s.bytes = s.out_of_order = 0
+
+    def _collate(self, raw: RawBatch) -> Batch:
+        samples = raw_batch_samples(raw, self.decode_images)
+        if self.transform is not None:
+            samples = [self.transform(s) for s in samples]
+        data = _move(self.collate_fn(samples), self.device, self.pin_memory)
+        return Batch(data, raw.epoch, raw.batch, raw.indices, raw.padding)
+
+    def _start(self) -> tuple[int, frozenset[int]]:
+        start = self._next_batch
+        if self._num_batches is not None and start >= self._num_batches:
+            start = 0  # a finished epoch iterated again starts over
+        return start, frozenset(self._ahead)
+
+    def _handed_out(self, batch: Batch, t0: float) -> None:
+        """Record, on the consumer's side, that the user now holds `batch`."""
+        self.stats.batches += 1
+        if self.stats.first_batch_s is None:
+            self.stats.first_batch_s = time.perf_counter() - t0
+        if batch.batch == self._next_batch:
+            self._next_batch += 1
+            while self._next_batch in self._ahead:
+                self._ahead.discard(self._next_batch)
+                self._next_batch += 1
+        else:
+            self._ahead.add(batch.batch)
+
+    async def abatches(self) -> AsyncIterator[Batch]:
+        """Async iteration over `Batch`es (collated data plus plan metadata)."""
+        t0 = time.perf_counter()
+        start, ahead = self._start()
+        if start == 0:
+            self._next_batch, self._ahead = 0, set()
+        gen = self._raw_batches(start, ahead)
+        try:
+            while True:
+                w = time.perf_counter()
+                try:
+                    raw = await gen.__anext__()
+                except StopAsyncIteration:
+                    break
+                self.stats.wait_s += time.perf_counter() - w
+                batch = self._collate(raw)
+                self._handed_out(batch, t0)
+                yield batch
+        finally:
+            await gen.aclose()
+
+    def __aiter__(self) -> AsyncIterator[Any]:
+        async def data() -> AsyncIterator[Any]:
+            async for b in self.abatches():
+                yield b.data
+
+        return data()
+
+    def batches(self) -> Iterator[Batch]:
+        """Sync iteration over `Batch`es; an event loop in a thread does the network work."""
+        t0 = time.perf_counter()
+        start, ahead = self._start()
+        if start == 0:
+            self._next_batch, self._ahead = 0, set()
+        q: queue.Queue[tuple[str, Any]] = queue.Queue(maxsize=self.buffer_batches)
+        stop = threading.Event()
+
+        def put(item: tuple[str, Any]) -> bool:
+            while not stop.is_set():
+                try:
+                    q.put(item, timeout=0.05)
+                    return True
+                except queue.Full:
+                    continue
+            return False
+
+        async def produce() -> None:
+            gen = self._raw_batches(start, ahead)
+            try:
+                async for raw in gen:
+                    # Collate here, in the network thread: it overlaps the training step.
+                    if not put(("batch", self._collate(raw))):
+                        return
+            finally:
+                await gen.aclose()
+
+        def worker() -> None:
+            import uvloop
+
+            try:
+                uvloop.run(produce())
+                put(("end", None))
+            except BaseException as exc:  # handed to the consumer, which raises it
+                put(("error", exc))
+
+        thread = threading.Thread(target=worker, name="croupier-loader", daemon=True)
+        thread.start()
+        try:
+            while True:
+                w = time.perf_counter()
+                kind, value = q.get()
+                self.stats.wait_s += time.perf_counter() - w
+                if kind == "end":
+                    return
+                if kind == "error":
+                    raise value
+                self._handed_out(value, t0)
+                yield value
+        finally:
+            stop.set()
+            thread.join(timeout=10)
+
+    def __iter__(self) -> Iterator[Any]:
+        for b in self.batches():
+            yield b.data

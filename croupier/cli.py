@@ -1,0 +1,158 @@
+"""The `croupier` command: serve, demo, bench, loadtest."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+from collections.abc import Callable, Sequence
+
+SERVE_HELP = """\
+Serve datasets to trainers over gRPC.
+
+DATASET is a path (Arrow IPC file or folder, Hugging Face save_to_disk folder, Parquet
+file or folder, ImageFolder tree, folder of WebDataset .tar shards), NAME=PATH to
+choose its name, or NAME=synthetic:ROWS[:ROW_BYTES] for a virtual table of any size.
+Flags override the config file; the config file is YAML with the same names
+(underscores), e.g.  datasets: [digits=/data/digits]  port: 50051  max_reads: 4096.
+"""
+
+
+def _serve_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("serve", help="run the data server", description=SERVE_HELP,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("datasets", nargs="*", metavar="DATASET", help="datasets to serve (see above)")
+    p.add_argument("--config", help="YAML config file; flags given here override it")
+    g = p.add_argument_group("network")
+    g.add_argument("--host", help="address to listen on (default 127.0.0.1; 0.0.0.0 or :: for all)")
+    g.add_argument("--port", type=int, help="gRPC port (default 50051; 0 picks a free one)")
+    g.add_argument("--metrics-port", type=int, help="Prometheus /metrics port (default off; 0 picks a free one)")
+    g.add_argument("--metrics-host", help="address of the metrics endpoint (default 127.0.0.1)")
+    g.add_argument("--max-message-mb", type=int, help="largest gRPC message in MiB (default 64)")
+    g = p.add_argument_group("data")
+    g.add_argument("--data-root", action="append", dest="data_roots",
+                   help="folder clients may stream paths from; dataset paths must lie under one (repeatable)")
+    g.add_argument("--cache-dir", help="where tar offset indexes go when the data folder is read-only")
+    g = p.add_argument_group("concurrency and memory")
+    g.add_argument("--max-reads", type=int, help="sample reads in flight over all streams (default 4096)")
+    g.add_argument("--max-reads-per-stream", type=int, help="sample reads in flight per stream (default 512)")
+    g.add_argument("--prefetch", type=int, dest="default_prefetch",
+                   help="batches read ahead when the client does not say (default 2)")
+    g.add_argument("--max-buffered-mb", type=float,
+                   help="completed-but-unsent bytes per stream before reading pauses (default 64)")
+    g.add_argument("--chunk-samples", type=int, help="samples per message at most (default 64)")
+    g.add_argument("--chunk-kb", type=int, help="payload KiB per message before it is flushed (default 4096)")
+    g.add_argument("--flush-delay-ms", type=float, help="longest a completed sample waits for its chunk (default 2)")
+    g.add_argument("--workers", type=int, help="threads for blocking work: pyarrow, Pillow (default 4)")
+    g = p.add_argument_group("injected storage latency (benchmarks)")
+    g.add_argument("--latency-ms", type=float, help="median latency added to every read (default none)")
+    g.add_argument("--latency-distribution", choices=["lognormal", "uniform", "fixed"], help="(default lognormal)")
+    g.add_argument("--latency-sigma", type=float, help="lognormal sigma (default 0.5)")
+    g.add_argument("--latency-seed", type=int, help="seed of the latency draws (default 0)")
+    g = p.add_argument_group("lifecycle and logs")
+    g.add_argument("--grace", type=float, dest="grace_s",
+                   help="seconds SIGTERM lets open streams finish (default 30)")
+    g.add_argument("--ready-file", help="write {port, metrics_port, pid} as JSON here once serving")
+    g.add_argument("--log-format", choices=["text", "json"], help="(default text)")
+    g.add_argument("--log-level", default="INFO")
+    p.set_defaults(func=cmd_serve)
+
+
+def build_server_config(args: argparse.Namespace):
+    from croupier.server.config import LatencySpec, ServerConfig, load_config_file
+
+    config = load_config_file(args.config) if args.config else ServerConfig()
+    changes: dict = {}
+    for name in ("host", "port", "metrics_port", "metrics_host", "cache_dir", "max_reads", "workers",
+                 "grace_s", "log_format"):
+        value = getattr(args, name)
+        if value is not None:
+            changes[name] = value
+    if args.datasets:
+        changes["datasets"] = tuple(args.datasets)
+    if args.data_roots:
+        changes["data_roots"] = tuple(args.data_roots)
+    if args.max_message_mb is not None:
+        changes["max_message_bytes"] = args.max_message_mb << 20
+    limits = {}
+    for name in ("max_reads_per_stream", "default_prefetch", "chunk_samples"):
+        if getattr(args, name) is not None:
+            limits[name] = getattr(args, name)
+    if args.max_buffered_mb is not None:
+        limits["max_buffered_bytes"] = int(args.max_buffered_mb * (1 << 20))
+    if args.chunk_kb is not None:
+        limits["chunk_bytes"] = args.chunk_kb << 10
+    if args.flush_delay_ms is not None:
+        limits["flush_delay_s"] = args.flush_delay_ms / 1000
+    if limits:
+        changes["limits"] = dataclasses.replace(config.limits, **limits)
+    if args.latency_ms is not None:
+        base = config.latency or LatencySpec(median_ms=args.latency_ms)
+        changes["latency"] = dataclasses.replace(
+            base,
+            median_ms=args.latency_ms,
+            **{k: v for k, v in (("distribution", args.latency_distribution), ("sigma", args.latency_sigma),
+                                 ("seed", args.latency_seed)) if v is not None},
+        )
+    return dataclasses.replace(config, **changes)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from croupier.logs import setup_logging
+
+    try:
+        config = build_server_config(args)
+    except (ValueError, TypeError) as exc:
+        print(f"croupier serve: {exc}", file=sys.stderr)
+        return 2
+    setup_logging(config.log_format, args.log_level)
+    if not config.datasets and not config.data_roots:
+        print("croupier serve: name at least one DATASET or a --data-root (see --help)", file=sys.stderr)
+        return 2
+    from croupier.server.app import run
+    from croupier.server.readers.base import DatasetError
+
+    try:
+        run(config, args.ready_file)
+    except (DatasetError, OSError) as exc:
+        print(f"croupier serve: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+# Other subcommands register here: each module exposes add_parser(sub) -> None.
+_EXTRA_COMMANDS: list[tuple[str, str]] = [
+    ("croupier.demo", "add_parser"),
+    ("croupier.bench", "add_parser"),
+    ("croupier.loadtest", "add_parser"),
+]
+
+
+def make_parser() -> argparse.ArgumentParser:
+    import importlib
+
+    parser = argparse.ArgumentParser(prog="croupier", description="Deal a globally shuffled dataset to trainers.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    _serve_parser(sub)
+    for module, attr in _EXTRA_COMMANDS:
+        try:
+            add: Callable = getattr(importlib.import_module(module), attr)
+        except ModuleNotFoundError as exc:
+            if exc.name != module:
+                raise
+            continue
+        add(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = make_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,129 @@
+"""Server setup in one place: gRPC options, health, reflection, metrics, graceful stop."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import json
+import logging
+import os
+import signal
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_health.v1.health import aio as health_aio
+from grpc_reflection.v1alpha import reflection
+
+from croupier.v1 import croupier_pb2, croupier_pb2_grpc
+
+from .catalog import Catalog
+from .config import ServerConfig
+from .metrics import ServerMetrics
+from .service import CroupierService
+
+log = logging.getLogger("croupier.server")
+
+SERVICE_NAME = croupier_pb2.DESCRIPTOR.services_by_name["Croupier"].full_name
+
+
+@dataclass
+class RunningServer:
+    """A started server: its ports and the handles needed to stop it."""
+
+    server: grpc.aio.Server
+    port: int
+    metrics_port: int | None
+    service: CroupierService
+    health: health_aio.HealthServicer
+    executor: concurrent.futures.ThreadPoolExecutor
+    catalog: Catalog
+    config: ServerConfig
+
+    @property
+    def address(self) -> str:
+        host = self.config.host
+        return f"[{host}]:{self.port}" if ":" in host else f"{host}:{self.port}"
+
+    async def stop(self, grace: float | None = None) -> None:
+        """Stop taking new streams, let open ones finish for `grace` seconds, then exit."""
+        grace = self.config.grace_s if grace is None else grace
+        await self.health.enter_graceful_shutdown()
+        log.info("draining %d open stream(s) for up to %.1fs", len(self.service.active), grace)
+        await self.server.stop(grace)
+        self.executor.shutdown(wait=False, cancel_futures=True)
+        self.catalog.close()
+
+
+def open_catalog(config: ServerConfig, executor: concurrent.futures.Executor) -> Catalog:
+    catalog = Catalog(
+        data_roots=config.data_roots, cache_dir=config.cache_dir, latency=config.latency, executor=executor
+    )
+    for spec in config.datasets:
+        reader = catalog.add(spec)
+        log.info("serving %s dataset %r: %d rows from %s", reader.info().format, reader.name, len(reader), reader.path)
+    return catalog
+
+
+async def start(config: ServerConfig) -> RunningServer:
+    """Open the datasets and start serving; returns once the port is bound."""
+    executor = concurrent.futures.ThreadPoolExecutor(config.workers, thread_name_prefix="croupier-io")
+    loop = asyncio.get_running_loop()
+    catalog = await loop.run_in_executor(executor, open_catalog, config, executor)
+    metrics = ServerMetrics()
+    service = CroupierService(
+        catalog, limits=config.limits, max_reads=config.max_reads, executor=executor, metrics=metrics
+    )
+    server = grpc.aio.server(
+        options=[
+            ("grpc.max_send_message_length", config.max_message_bytes),
+            ("grpc.max_receive_message_length", config.max_message_bytes),
+            ("grpc.keepalive_time_ms", 30_000),
+            ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
+            ("grpc.so_reuseport", 0),
+        ]
+    )
+    croupier_pb2_grpc.add_CroupierServicer_to_server(service, server)
+    health_servicer = health_aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+    host = config.host
+    bind = f"[{host}]:{config.port}" if ":" in host else f"{host}:{config.port}"
+    port = server.add_insecure_port(bind)
+    if port == 0:
+        raise OSError(f"cannot listen on {bind}")
+    await server.start()
+    for name in ("", SERVICE_NAME):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    metrics_port = None
+    if config.metrics_port >= 0:
+        metrics_port = metrics.serve_http(config.metrics_port, config.metrics_host)
+    log.info("croupier listening on %s (metrics on %s)", bind.replace(f":{config.port}", f":{port}"), metrics_port)
+    return RunningServer(server, port, metrics_port, service, health_servicer, executor, catalog, config)
+
+
+async def serve(config: ServerConfig, ready_file: str | None = None) -> None:
+    """Run until SIGTERM/SIGINT, then drain open streams for `grace_s` and exit."""
+    running = await start(config)
+    if ready_file:
+        tmp = Path(ready_file + ".tmp")
+        tmp.write_text(
+            json.dumps({"port": running.port, "metrics_port": running.metrics_port, "pid": os.getpid()})
+        )
+        tmp.replace(ready_file)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    log.info("signal received: shutting down")
+    await running.stop()
+    log.info("stopped")
+
+
+def run(config: ServerConfig, ready_file: str | None = None) -> None:
+    """Blocking entry point: serve on a uvloop event loop."""
+    import uvloop
+
+    uvloop.run(serve(config, ready_file))

@@ -1,0 +1,119 @@
+"""The datasets a server serves: opened at start by name, or on demand by path under a root."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import os
+from collections.abc import Sequence
+
+from .config import LatencySpec
+from .readers import LatencyInjected, OutsideRootsError, open_dataset, resolve_under_roots
+from .readers.base import DatasetError, DatasetInfo, Reader
+from .readers.synthetic import SyntheticReader
+
+
+class UnknownDatasetError(LookupError):
+    pass
+
+
+def parse_dataset_spec(spec: str) -> tuple[str | None, str]:
+    """'NAME=PATH' -> (NAME, PATH); 'PATH' -> (None, PATH)."""
+    name, sep, path = spec.partition("=")
+    if sep and name and os.sep not in name:
+        return name, path
+    return None, spec
+
+
+def _synthetic(name: str | None, path: str) -> SyntheticReader:
+    parts = path.split(":")[1:]
+    try:
+        rows = int(parts[0])
+        row_bytes = int(parts[1]) if len(parts) > 1 else 64
+    except (IndexError, ValueError):
+        raise DatasetError(f"bad synthetic dataset {path!r}: expected synthetic:ROWS[:ROW_BYTES]") from None
+    return SyntheticReader(name or f"synthetic-{rows}", rows, row_bytes)
+
+
+class Catalog:
+    def __init__(
+        self,
+        *,
+        data_roots: Sequence[str] = (),
+        cache_dir: str | None = None,
+        latency: LatencySpec | None = None,
+        executor: concurrent.futures.Executor | None = None,
+    ):
+        self.data_roots = tuple(str(os.path.realpath(r)) for r in data_roots)
+        self.cache_dir = cache_dir
+        self.latency = latency
+        self.executor = executor
+        self._by_name: dict[str, Reader] = {}
+        self._by_path: dict[str, Reader] = {}
+        self._opening: dict[str, asyncio.Future[Reader]] = {}
+
+    def _wrap(self, reader: Reader) -> Reader:
+        if self.executor is not None:
+            reader.bind_executor(self.executor)
+        if self.latency is None:
+            return reader
+        lat = self.latency
+        return LatencyInjected(
+            reader, distribution=lat.distribution, median_ms=lat.median_ms, sigma=lat.sigma, seed=lat.seed
+        )
+
+    def _open_path(self, path: str, name: str | None) -> Reader:
+        if self.data_roots:
+            path = str(resolve_under_roots(path, self.data_roots))
+        return self._wrap(open_dataset(path, name=name, cache_dir=self.cache_dir))
+
+    def add(self, spec: str) -> Reader:
+        """Open a dataset named on the command line or in the config file (blocking)."""
+        name, path = parse_dataset_spec(spec)
+        if path.startswith("synthetic:"):
+            reader = self._wrap(_synthetic(name, path))
+        else:
+            reader = self._open_path(path, name)
+        if reader.name in self._by_name:
+            raise DatasetError(f"two datasets are named {reader.name!r}; name them with NAME=PATH")
+        self._by_name[reader.name] = reader
+        return reader
+
+    def names(self) -> list[str]:
+        return sorted(self._by_name)
+
+    def infos(self) -> list[DatasetInfo]:
+        return [self._by_name[n].info() for n in self.names()]
+
+    async def get(self, name_or_path: str) -> Reader:
+        """A served dataset by name, or one under a data root by path (opened once)."""
+        if name_or_path in self._by_name:
+            return self._by_name[name_or_path]
+        if not self.data_roots or not name_or_path:
+            raise UnknownDatasetError(
+                f"dataset {name_or_path!r} is not served here; datasets: {self.names()}"
+                + ("" if self.data_roots else " (no data roots are configured, so paths are not accepted)")
+            )
+        key = os.path.realpath(os.path.join(self.data_roots[0], name_or_path))
+        if key in self._by_path:
+            return self._by_path[key]
+        if key not in self._opening:
+            loop = asyncio.get_running_loop()
+            candidate = name_or_path if os.path.isabs(name_or_path) else os.path.join(self.data_roots[0], name_or_path)
+            self._opening[key] = asyncio.ensure_future(
+                loop.run_in_executor(self.executor, self._open_path, candidate, None)
+            )
+        try:
+            reader = await asyncio.shield(self._opening[key])
+        except BaseException:
+            self._opening.pop(key, None)
+            raise
+        self._by_path[key] = reader
+        return reader
+
+    def close(self) -> None:
+        for reader in [*self._by_name.values(), *self._by_path.values()]:
+            reader.close()
+
+
+__all__ = ["Catalog", "UnknownDatasetError", "OutsideRootsError", "parse_dataset_spec"]

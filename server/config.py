@@ -1,0 +1,92 @@
+"""Server configuration: one dataclass, filled from a YAML file and then from flags."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from .scheduler import FetchLimits
+
+
+@dataclass(frozen=True)
+class LatencySpec:
+    """Injected storage latency applied to every read (benchmarks, tests)."""
+
+    median_ms: float
+    distribution: str = "lognormal"
+    sigma: float = 0.5
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    #: Datasets to open at start: "PATH", "NAME=PATH", or "NAME=synthetic:ROWS[:ROW_BYTES]".
+    datasets: tuple[str, ...] = ()
+    host: str = "127.0.0.1"
+    port: int = 50051
+    #: Clients may also stream paths under these folders; dataset paths must lie in them.
+    data_roots: tuple[str, ...] = ()
+    #: Where indexes go when the data folder is read-only (tar offset indexes).
+    cache_dir: str | None = None
+    #: Port of the Prometheus /metrics endpoint; -1 turns it off, 0 picks a free port.
+    metrics_port: int = -1
+    metrics_host: str = "127.0.0.1"
+    #: Sample reads in flight over all streams.
+    max_reads: int = 4096
+    #: Threads for blocking work (pyarrow, Pillow, file opens).
+    workers: int = 4
+    limits: FetchLimits = field(default_factory=FetchLimits)
+    latency: LatencySpec | None = None
+    #: Seconds SIGTERM waits for open streams to finish before cancelling them.
+    grace_s: float = 30.0
+    max_message_bytes: int = 64 << 20
+    log_format: str = "text"  # or "json"
+
+    def __post_init__(self) -> None:
+        if self.max_reads < 1:
+            raise ValueError(f"max_reads must be at least 1, got {self.max_reads}")
+        if self.workers < 1:
+            raise ValueError(f"workers must be at least 1, got {self.workers}")
+
+
+_LIMIT_FIELDS = {f.name for f in dataclasses.fields(FetchLimits)}
+
+
+def config_from_mapping(raw: dict[str, Any], source: str = "config") -> ServerConfig:
+    """Build a ServerConfig from a mapping (a parsed YAML file); unknown keys are errors."""
+    known = {f.name for f in dataclasses.fields(ServerConfig)}
+    values: dict[str, Any] = {}
+    limits: dict[str, Any] = {}
+    for key, value in raw.items():
+        key = key.replace("-", "_")
+        if key in _LIMIT_FIELDS:
+            limits[key] = value
+        elif key == "limits":
+            limits.update({k.replace("-", "_"): v for k, v in value.items()})
+        elif key == "latency":
+            values["latency"] = None if value is None else LatencySpec(**value)
+        elif key in known:
+            values[key] = tuple(value) if key in ("datasets", "data_roots") else value
+        else:
+            raise ValueError(f"{source}: unknown setting {key!r}; known: {sorted(known | _LIMIT_FIELDS)}")
+    bad = set(limits) - _LIMIT_FIELDS
+    if bad:
+        raise ValueError(f"{source}: unknown limit {sorted(bad)[0]!r}; known: {sorted(_LIMIT_FIELDS)}")
+    if limits:
+        values["limits"] = FetchLimits(**limits)
+    return ServerConfig(**values)
+
+
+def load_config_file(path: str | Path) -> ServerConfig:
+    path = Path(path)
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except (OSError, yaml.YAMLError) as exc:
+        raise ValueError(f"cannot read config file {path}: {exc}") from exc
+    if not isinstance(raw, dict):
+        raise ValueError(f"config file {path}: expected a mapping of settings, got {type(raw).__name__}")
+    return config_from_mapping(raw, source=str(path))

@@ -1,0 +1,191 @@
+"""The epoch plan: which global index each rank gets at each (batch, position).
+
+Guarantees, pinned by tests/test_planner.py:
+
+* The permutation P of 0..N-1 is a pure function of (seed, epoch, N): the same on
+  every machine, process and run, and a different one for every epoch.
+* Global batch b is the contiguous block P[b*G : (b+1)*G] with G = batch_size *
+  world_size; rank r gets the r-th equal slice of it (batch-aligned, unlike
+  DistributedSampler's strided `indices[rank::world]`).
+* Exactly once: over one epoch the ranks together get every index once, plus, when
+  `drop_last` is false, the padding described below.
+* O(1) memory in N: P is a keyed bijection (a Feistel network over the next power
+  of four, cycle-walked into 0..N-1) evaluated on demand, never an array of N.
+
+Tail handling mirrors `DistributedSampler` followed by a per-rank `DataLoader`:
+
+* drop_last=False: P is padded by wrapping around to its start until its length is a
+  multiple of world_size (those samples are flagged as padding); the last global
+  batch may then be short, and every rank gets an equal, shorter last batch.
+* drop_last=True: only the N // G full global batches are dealt; the tail of P is
+  not served this epoch (a different tail each epoch).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from functools import cached_property
+
+import numpy as np
+
+_ROUNDS = 6
+_M1 = np.uint64(0xBF58476D1CE4E5B9)
+_M2 = np.uint64(0x94D049BB133111EB)
+
+
+class PlanError(ValueError):
+    """Options that no plan can satisfy (rank outside the world, batch size 0...)."""
+
+
+def _mix(x: np.ndarray) -> np.ndarray:
+    # splitmix64's finaliser: a cheap, well-spread, fully portable round function.
+    x = x ^ (x >> np.uint64(30))
+    x = x * _M1
+    x = x ^ (x >> np.uint64(27))
+    x = x * _M2
+    return x ^ (x >> np.uint64(31))
+
+
+@dataclass(frozen=True)
+class Permutation:
+    """A bijection of 0..n-1 keyed by (seed, epoch, n), evaluated element-wise."""
+
+    n: int
+    seed: int
+    epoch: int
+    _half_bits: int = field(init=False, repr=False)
+    _keys: tuple[int, ...] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.n < 1:
+            raise PlanError(f"a permutation needs at least one element, got n={self.n}")
+        if self.n > 2**62:
+            raise PlanError(f"n={self.n} is above the supported 2**62 rows")
+        bits = max(2, math.ceil(math.log2(self.n))) if self.n > 1 else 2
+        object.__setattr__(self, "_half_bits", (bits + 1) // 2)
+        digest = hashlib.blake2b(
+            f"croupier.plan.v1:{self.seed}:{self.epoch}:{self.n}".encode(), digest_size=8 * _ROUNDS
+        ).digest()
+        keys = tuple(int.from_bytes(digest[8 * i : 8 * i + 8], "little") for i in range(_ROUNDS))
+        object.__setattr__(self, "_keys", keys)
+
+    def _feistel(self, x: np.ndarray) -> np.ndarray:
+        h = np.uint64(self._half_bits)
+        mask = np.uint64((1 << self._half_bits) - 1)
+        left, right = x >> h, x & mask
+        with np.errstate(over="ignore"):
+            for key in self._keys:
+                left, right = right, left ^ (_mix(right ^ np.uint64(key)) & mask)
+        return (left << h) | right
+
+    def __call__(self, positions: np.ndarray | int) -> np.ndarray:
+        """P[positions]; positions must lie in 0..n-1."""
+        x = np.asarray(positions, dtype=np.uint64)
+        if self.n == 1:
+            return np.zeros_like(x)
+        y = self._feistel(x)
+        # Cycle-walk: the Feistel domain is up to 4n, so re-encrypt values that land
+        # outside 0..n-1; the walk stays a bijection on 0..n-1 and ends in ~2 steps.
+        out_of_range = y >= np.uint64(self.n)
+        while out_of_range.any():
+            y[out_of_range] = self._feistel(y[out_of_range])
+            out_of_range = y >= np.uint64(self.n)
+        return y
+
+
+@dataclass(frozen=True)
+class RankBatch:
+    """One rank's batch: global indices in batch-position order."""
+
+    batch: int
+    indices: np.ndarray  # uint64, len == batch length
+    padding: np.ndarray  # bool, True where the sample repeats an index to fill the tail
+
+
+@dataclass(frozen=True)
+class EpochPlan:
+    """The deal of one epoch of an N-row dataset to `world_size` ranks."""
+
+    num_rows: int
+    seed: int
+    epoch: int
+    batch_size: int
+    world_size: int = 1
+    drop_last: bool = False
+
+    def __post_init__(self) -> None:
+        if self.num_rows < 1:
+            raise PlanError("the dataset is empty")
+        if self.world_size < 1:
+            raise PlanError(f"world_size must be at least 1, got {self.world_size}")
+        if self.batch_size < 1:
+            raise PlanError(f"batch_size must be at least 1, got {self.batch_size}")
+        if self.batch_size > self.num_rows:
+            raise PlanError(f"batch_size {self.batch_size} is larger than the dataset ({self.num_rows} rows)")
+        if self.drop_last and self.num_rows < self.global_batch_size:
+            raise PlanError(
+                f"drop_last with batch_size {self.batch_size} x world_size {self.world_size} = "
+                f"{self.global_batch_size} leaves no full batch of a {self.num_rows}-row dataset"
+            )
+
+    @cached_property
+    def permutation(self) -> Permutation:
+        return Permutation(self.num_rows, self.seed, self.epoch)
+
+    @property
+    def global_batch_size(self) -> int:
+        return self.batch_size * self.world_size
+
+    @property
+    def total_size(self) -> int:
+        """Samples dealt over all ranks this epoch, padding included."""
+        if self.drop_last:
+            return (self.num_rows // self.global_batch_size) * self.global_batch_size
+        return math.ceil(self.num_rows / self.world_size) * self.world_size
+
+    @property
+    def num_batches(self) -> int:
+        """Batches each rank gets this epoch."""
+        return math.ceil(self.total_size / self.global_batch_size)
+
+    @property
+    def samples_per_rank(self) -> int:
+        return self.total_size // self.world_size
+
+    def batch_length(self, batch: int) -> int:
+        """Samples in one rank's `batch` (all ranks get the same)."""
+        self._check_batch(batch)
+        start = batch * self.global_batch_size
+        return (min(start + self.global_batch_size, self.total_size) - start) // self.world_size
+
+    @property
+    def last_batch_size(self) -> int:
+        return self.batch_length(self.num_batches - 1)
+
+    def check_rank(self, rank: int) -> None:
+        if not 0 <= rank < self.world_size:
+            raise PlanError(f"rank {rank} is outside the world of size {self.world_size} (0..{self.world_size - 1})")
+
+    def _check_batch(self, batch: int) -> None:
+        if not 0 <= batch < self.num_batches:
+            raise PlanError(f"batch {batch} is outside 0..{self.num_batches - 1} for this epoch")
+
+    def rank_batch(self, rank: int, batch: int) -> RankBatch:
+        """Global indices of `rank`'s `batch`, in position order."""
+        self.check_rank(rank)
+        length = self.batch_length(batch)
+        first = batch * self.global_batch_size + rank * length
+        slots = np.arange(first, first + length, dtype=np.uint64)
+        padding = slots >= np.uint64(self.num_rows)
+        # Padding wraps around to the start of P, as DistributedSampler's does.
+        slots = np.where(padding, slots % np.uint64(self.num_rows), slots)
+        return RankBatch(batch=batch, indices=self.permutation(slots), padding=padding)
+
+    def rank_batches(self, rank: int, start: int = 0, end: int | None = None) -> Iterator[RankBatch]:
+        """`rank`'s batches start..end-1 (end defaults to the epoch's end)."""
+        end = self.num_batches if end is None else end
+        for b in range(start, end):
+            yield self.rank_batch(rank, b)

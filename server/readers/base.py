@@ -1,0 +1,142 @@
+"""The one interface every dataset reader implements.
+
+A read has two halves so that the scheduler can overlap I/O and batch CPU work:
+
+* `read(index)` is the per-sample I/O, awaited concurrently with many others (aiofiles
+  or a bounded executor). It returns an opaque *item*: bytes of an image file, a
+  one-row Arrow slice, or just the index where the I/O happens later (memory-mapped
+  Arrow, whose pages fault in during `encode`).
+* `encode(items)` turns the items of samples whose reads have completed into one
+  payload for the wire. It is CPU work, runs in the executor, and is called once per
+  chunk, never per sample on the event loop.
+
+Readers never import grpc; payloads are plain dataclasses that the service converts.
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import concurrent.futures
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Literal
+
+DatasetKind = Literal["table", "image"]
+
+
+class DatasetError(Exception):
+    """A dataset cannot be opened or a sample cannot be read.
+
+    The message names the file and, where known, the row or sample index.
+    """
+
+
+class SampleError(DatasetError):
+    """One sample is unreadable (corrupt record, bytes that are not an image)."""
+
+    def __init__(self, message: str, index: int | None = None, path: str | None = None):
+        super().__init__(message)
+        self.index = index
+        self.path = path
+
+
+@dataclass(frozen=True)
+class ColumnInfo:
+    name: str
+    type: str
+
+
+@dataclass(frozen=True)
+class DatasetInfo:
+    """What a client may learn about a dataset before streaming it."""
+
+    name: str
+    num_rows: int
+    kind: DatasetKind
+    format: str
+    path: str
+    columns: tuple[ColumnInfo, ...] = ()
+    classes: tuple[str, ...] = ()
+    arrow_schema: bytes = b""
+
+
+@dataclass
+class TablePayload:
+    """Rows of a table dataset, in the order of the items given to `encode`."""
+
+    arrow_ipc: bytes
+    nbytes: int
+
+
+@dataclass
+class ImageRecord:
+    data: bytes
+    label: int
+    format: str
+    key: str = ""
+    height: int = 0
+    width: int = 0
+    channels: int = 0
+
+
+@dataclass
+class ImagePayload:
+    images: list[ImageRecord] = field(default_factory=list)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(len(r.data) for r in self.images)
+
+
+Payload = TablePayload | ImagePayload
+
+
+class Reader(abc.ABC):
+    """Random access by global index to one dataset, with async reads."""
+
+    #: Short format name, e.g. "arrow", "parquet", "imagefolder".
+    format: ClassVar[str]
+    #: False when `read` does no I/O at all (the scheduler may then skip the await).
+    read_does_io: ClassVar[bool] = True
+
+    def __init__(self, name: str, path: str, executor: concurrent.futures.Executor | None = None):
+        self.name = name
+        self.path = path
+        self._executor = executor
+
+    @property
+    def executor(self) -> concurrent.futures.Executor | None:
+        return self._executor
+
+    def bind_executor(self, executor: concurrent.futures.Executor) -> None:
+        """Use the server's bounded pool for blocking calls (pyarrow, file opens)."""
+        self._executor = executor
+
+    async def run_blocking(self, fn: Any, *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+
+    @abc.abstractmethod
+    def __len__(self) -> int: ...
+
+    @abc.abstractmethod
+    def info(self) -> DatasetInfo: ...
+
+    @abc.abstractmethod
+    async def read(self, index: int) -> Any:
+        """Do the I/O of one sample; return an item for `encode`. Raises SampleError."""
+
+    @abc.abstractmethod
+    def encode(self, items: Sequence[Any], columns: Sequence[str] = (), decode_images: bool = False) -> Payload:
+        """Build one payload from completed items (blocking; runs in the executor)."""
+
+    def check_index(self, index: int) -> None:
+        if not 0 <= index < len(self):
+            raise SampleError(
+                f"{self.format} dataset {self.name!r} ({self.path}): index {index} is outside 0..{len(self) - 1}",
+                index=index,
+                path=self.path,
+            )
+
+    def close(self) -> None:
+        """Release files and caches."""

@@ -1,0 +1,313 @@
+"""The fetch scheduler: one rank's part of an epoch, read concurrently, sent as it completes.
+
+Unordered mode (the point of croupier): the reads of the current batch and of the next
+`prefetch` batches are all in flight at once, bounded per stream and per server, and
+each completed sample is sent in completion order. A batch therefore costs about the
+slowest of its reads, not their sum. Completed samples are grouped into chunks,
+flushed when a chunk holds `chunk_samples` samples or `chunk_bytes` bytes, when
+`flush_delay_s` has passed since its first sample, or as soon as a batch is whole.
+
+Ordered mode (the ablation): one read at a time, in plan order.
+
+Backpressure: the window only moves past a batch once all its samples were handed to
+the consumer (the gRPC writer, which waits on HTTP/2 flow control), and no new batch is
+issued while more than `max_buffered_bytes` of completed samples wait to be sent. A
+slow trainer therefore slows its own stream and holds a bounded amount of memory.
+
+Nothing here knows about gRPC: the service turns `Chunk`s into messages.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import time
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from .planner import EpochPlan, PlanError
+from .readers.base import Payload, Reader
+
+
+@dataclass(frozen=True)
+class FetchLimits:
+    """Concurrency and buffering knobs of one stream (server-wide ones live in the service)."""
+
+    max_reads_per_stream: int = 512
+    max_buffered_bytes: int = 64 << 20
+    chunk_samples: int = 64
+    chunk_bytes: int = 4 << 20
+    flush_delay_s: float = 0.002
+    default_prefetch: int = 2
+
+    def __post_init__(self) -> None:
+        for name in ("max_reads_per_stream", "max_buffered_bytes", "chunk_samples", "chunk_bytes"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.flush_delay_s < 0 or self.default_prefetch < 0:
+            raise ValueError("flush_delay_s and default_prefetch must not be negative")
+
+
+@dataclass(frozen=True)
+class SampleRef:
+    """Where a sample goes: (batch, position in batch) of this rank, and its global index."""
+
+    batch: int
+    position: int
+    index: int
+    padding: bool = False
+
+
+@dataclass
+class Chunk:
+    refs: list[SampleRef]
+    payload: Payload
+    # Batches whose every sample has been sent once this chunk is.
+    completed_batches: list[int] = field(default_factory=list)
+
+
+class FetchObserver(Protocol):
+    """Hooks for metrics; every method must be cheap and never raise."""
+
+    def read_started(self) -> None: ...
+
+    def read_finished(self, seconds: float, ok: bool) -> None: ...
+
+
+class _NoObserver:
+    def read_started(self) -> None:
+        pass
+
+    def read_finished(self, seconds: float, ok: bool) -> None:
+        pass
+
+
+@dataclass(frozen=True)
+class StreamRange:
+    """Which of one rank's batches a stream covers."""
+
+    rank: int
+    start_batch: int
+    end_batch: int
+
+    @classmethod
+    def of(cls, plan: EpochPlan, rank: int, start_batch: int = 0, end_batch: int = 0) -> "StreamRange":
+        plan.check_rank(rank)
+        end = plan.num_batches if end_batch == 0 else end_batch
+        if not 0 <= start_batch <= plan.num_batches:
+            raise PlanError(f"start_batch {start_batch} is outside 0..{plan.num_batches} (batches in this epoch)")
+        if not start_batch <= end <= plan.num_batches:
+            raise PlanError(f"end_batch {end_batch} is outside {start_batch}..{plan.num_batches}")
+        return cls(rank, start_batch, end)
+
+
+def _item_nbytes(item: Any) -> int:
+    if isinstance(item, (bytes, bytearray, memoryview)):
+        return len(item)
+    if isinstance(item, dict):
+        return sum(_item_nbytes(v) for v in item.values())
+    nbytes = getattr(item, "nbytes", None)
+    return nbytes if isinstance(nbytes, int) else 0
+
+
+class _Pending:
+    """Completed samples waiting to be flushed as one chunk."""
+
+    def __init__(self) -> None:
+        self.refs: list[SampleRef] = []
+        self.items: list[Any] = []
+        self.nbytes = 0
+        self.completed: list[int] = []
+        self.deadline = 0.0
+
+    def add(self, ref: SampleRef, item: Any, nbytes: int, flush_delay_s: float) -> None:
+        if not self.refs:
+            self.deadline = time.monotonic() + flush_delay_s
+        self.refs.append(ref)
+        self.items.append(item)
+        self.nbytes += nbytes
+
+    def full(self, limits: FetchLimits) -> bool:
+        return len(self.refs) >= limits.chunk_samples or self.nbytes >= limits.chunk_bytes or bool(self.completed)
+
+
+class Dealer:
+    """Streams one rank's batches of one epoch from a reader as `Chunk`s."""
+
+    def __init__(
+        self,
+        reader: Reader,
+        plan: EpochPlan,
+        span: StreamRange,
+        *,
+        ordered: bool = False,
+        prefetch: int | None = None,
+        columns: Sequence[str] = (),
+        decode_images: bool = False,
+        limits: FetchLimits = FetchLimits(),
+        server_reads: asyncio.Semaphore | None = None,
+        executor: concurrent.futures.Executor | None = None,
+        observer: FetchObserver | None = None,
+    ):
+        self.reader = reader
+        self.plan = plan
+        self.span = span
+        self.ordered = ordered
+        self.prefetch = limits.default_prefetch if prefetch is None else prefetch
+        self.columns = tuple(columns)
+        self.decode_images = decode_images
+        self.limits = limits
+        self.server_reads = server_reads
+        self.executor = executor
+        self.observer = observer or _NoObserver()
+        self._lengths = {b: plan.batch_length(b) for b in range(span.start_batch, span.end_batch)}
+
+    @property
+    def num_samples(self) -> int:
+        return sum(self._lengths.values())
+
+    async def _encode(self, pending: _Pending) -> Chunk:
+        loop = asyncio.get_running_loop()
+        payload = await loop.run_in_executor(
+            self.executor, self.reader.encode, pending.items, self.columns, self.decode_images
+        )
+        return Chunk(refs=pending.refs, payload=payload, completed_batches=pending.completed)
+
+    async def _timed_read(self, index: int) -> Any:
+        self.observer.read_started()
+        t0 = time.perf_counter()
+        ok = False
+        try:
+            item = await self.reader.read(index)
+            ok = True
+            return item
+        finally:
+            self.observer.read_finished(time.perf_counter() - t0, ok)
+
+    def __aiter__(self) -> AsyncIterator[Chunk]:
+        return self._ordered() if self.ordered else self._unordered()
+
+    async def _ordered(self) -> AsyncIterator[Chunk]:
+        """The ablation: one read in flight, samples in plan order."""
+        pending = _Pending()
+        for rb in self.plan.rank_batches(self.span.rank, self.span.start_batch, self.span.end_batch):
+            last = len(rb.indices) - 1
+            for pos, (index, pad) in enumerate(zip(rb.indices.tolist(), rb.padding.tolist())):
+                if self.server_reads is not None:
+                    async with self.server_reads:
+                        item = await self._timed_read(index)
+                else:
+                    item = await self._timed_read(index)
+                pending.add(SampleRef(rb.batch, pos, index, pad), item, _item_nbytes(item), 0.0)
+                if pos == last:
+                    pending.completed.append(rb.batch)
+                if pending.full(self.limits):
+                    yield await self._encode(pending)
+                    pending = _Pending()
+        if pending.refs:
+            yield await self._encode(pending)
+
+    async def _unordered(self) -> AsyncIterator[Chunk]:
+        limits = self.limits
+        ready: asyncio.Queue[tuple[SampleRef, Any, BaseException | None]] = asyncio.Queue()
+        stream_reads = asyncio.Semaphore(limits.max_reads_per_stream)
+        unreceived = dict(self._lengths)  # batch -> samples not yet in a chunk
+        unsent = dict(self._lengths)  # batch -> samples not yet handed to the consumer
+        window_moved = asyncio.Event()
+        state = {"oldest": self.span.start_batch, "buffered": 0}
+        reads: set[asyncio.Task[None]] = set()
+
+        async def read_one(ref: SampleRef) -> None:
+            try:
+                item, err = await self._timed_read(ref.index), None
+            except Exception as exc:  # handed to the sender, which raises it
+                item, err = None, exc
+            state["buffered"] += _item_nbytes(item)
+            ready.put_nowait((ref, item, err))
+
+        def read_done(task: asyncio.Task[None]) -> None:
+            # A done callback, not a `finally`: a task cancelled before it ever ran
+            # must still give its slots back, above all the server-wide one.
+            reads.discard(task)
+            stream_reads.release()
+            if self.server_reads is not None:
+                self.server_reads.release()
+
+        async def issue() -> None:
+            io = self.reader.read_does_io
+            for rb in self.plan.rank_batches(self.span.rank, self.span.start_batch, self.span.end_batch):
+                while rb.batch > state["oldest"] + self.prefetch or state["buffered"] > limits.max_buffered_bytes:
+                    window_moved.clear()
+                    await window_moved.wait()
+                for pos, (index, pad) in enumerate(zip(rb.indices.tolist(), rb.padding.tolist())):
+                    ref = SampleRef(rb.batch, pos, index, pad)
+                    if not io:
+                        # No I/O to overlap (memory-mapped Arrow): skip the task machinery.
+                        ready.put_nowait((ref, await self.reader.read(index), None))
+                        continue
+                    await stream_reads.acquire()
+                    if self.server_reads is not None:
+                        await self.server_reads.acquire()
+                    task = asyncio.create_task(read_one(ref))
+                    reads.add(task)
+                    task.add_done_callback(read_done)
+
+        issuer = asyncio.create_task(issue())
+        try:
+            remaining = self.num_samples
+            pending = _Pending()
+            while remaining:
+                if pending.refs:
+                    timeout = pending.deadline - time.monotonic()
+                    try:
+                        entry = ready.get_nowait() if not ready.empty() else await asyncio.wait_for(ready.get(), max(timeout, 0))
+                    except TimeoutError:
+                        entry = None
+                else:
+                    entry = await self._next_or_issuer_error(ready, issuer)
+                if entry is not None:
+                    ref, item, err = entry
+                    if err is not None:
+                        raise err
+                    remaining -= 1
+                    nbytes = _item_nbytes(item)
+                    pending.add(ref, item, nbytes, limits.flush_delay_s)
+                    unreceived[ref.batch] -= 1
+                    if unreceived[ref.batch] == 0:
+                        pending.completed.append(ref.batch)
+                    if not pending.full(limits) and remaining and time.monotonic() < pending.deadline:
+                        continue
+                if not pending.refs:
+                    continue
+                chunk = await self._encode(pending)
+                sent_bytes = pending.nbytes
+                pending = _Pending()
+                yield chunk
+                state["buffered"] -= sent_bytes
+                for ref in chunk.refs:
+                    unsent[ref.batch] -= 1
+                while state["oldest"] < self.span.end_batch and unsent[state["oldest"]] == 0:
+                    state["oldest"] += 1
+                window_moved.set()
+        finally:
+            issuer.cancel()
+            for task in list(reads):
+                task.cancel()
+            await asyncio.gather(issuer, *reads, return_exceptions=True)
+
+    @staticmethod
+    async def _next_or_issuer_error(ready: asyncio.Queue, issuer: asyncio.Task) -> Any:
+        """Wait for the next completed read, surfacing an exception from the issuer."""
+        if not ready.empty():
+            return ready.get_nowait()
+        if issuer.done():
+            issuer.result()  # raises the issuer's error, if it had one
+            return await ready.get()
+        getter = asyncio.ensure_future(ready.get())
+        done, _ = await asyncio.wait({getter, issuer}, return_when=asyncio.FIRST_COMPLETED)
+        if getter in done:
+            return getter.result()
+        getter.cancel()
+        issuer.result()  # raises the issuer's error
+        return await ready.get()

@@ -1,0 +1,144 @@
+"""The gRPC servicer: translates requests into catalog, planner and scheduler calls.
+
+Every failure a client can cause maps to a status whose message names the value, file
+or index at fault; the server and its other streams carry on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+from collections.abc import AsyncIterator
+
+import grpc
+
+from croupier.options import StreamOptions
+from croupier.v1 import croupier_pb2 as pb
+from croupier.v1 import croupier_pb2_grpc as pb_grpc
+
+from .catalog import Catalog, UnknownDatasetError
+from .convert import chunk_to_proto, dataset_info_to_proto, header_to_proto
+from .metrics import ServerMetrics
+from .planner import EpochPlan, PlanError
+from .readers import OutsideRootsError
+from .readers.base import DatasetError, SampleError
+from .scheduler import Dealer, FetchLimits, StreamRange
+
+log = logging.getLogger("croupier.server")
+
+
+def status_for(exc: BaseException) -> grpc.StatusCode:
+    """The gRPC status a failure maps to."""
+    if isinstance(exc, UnknownDatasetError):
+        return grpc.StatusCode.NOT_FOUND
+    if isinstance(exc, OutsideRootsError):
+        return grpc.StatusCode.PERMISSION_DENIED
+    if isinstance(exc, PlanError):
+        return grpc.StatusCode.OUT_OF_RANGE if "start_batch" in str(exc) or "end_batch" in str(exc) else grpc.StatusCode.INVALID_ARGUMENT
+    if isinstance(exc, SampleError):
+        return grpc.StatusCode.DATA_LOSS
+    if isinstance(exc, DatasetError):
+        return grpc.StatusCode.FAILED_PRECONDITION if "column" in str(exc) else grpc.StatusCode.DATA_LOSS
+    if isinstance(exc, FileNotFoundError):
+        return grpc.StatusCode.NOT_FOUND
+    return grpc.StatusCode.INTERNAL
+
+
+class CroupierService(pb_grpc.CroupierServicer):
+    def __init__(
+        self,
+        catalog: Catalog,
+        *,
+        limits: FetchLimits,
+        max_reads: int,
+        executor: concurrent.futures.Executor,
+        metrics: ServerMetrics,
+    ):
+        self.catalog = catalog
+        self.limits = limits
+        self.server_reads = asyncio.Semaphore(max_reads)
+        self.executor = executor
+        self.metrics = metrics
+        self.active: set[asyncio.Task] = set()
+
+    async def _abort(self, context: grpc.aio.ServicerContext, exc: BaseException, what: str) -> None:
+        code = status_for(exc)
+        self.metrics.streams_total.labels(code.name).inc()
+        if code is grpc.StatusCode.INTERNAL:
+            log.exception("%s failed", what, exc_info=exc)
+        else:
+            log.warning("%s: %s: %s", what, code.name, exc)
+        await context.abort(code, str(exc))
+
+    async def ListDatasets(self, request: pb.ListDatasetsRequest, context) -> pb.ListDatasetsResponse:
+        return pb.ListDatasetsResponse(datasets=[dataset_info_to_proto(i) for i in self.catalog.infos()])
+
+    async def DescribeDataset(self, request: pb.DescribeDatasetRequest, context) -> pb.DatasetInfo:
+        try:
+            reader = await self.catalog.get(request.name)
+        except (LookupError, DatasetError, OSError) as exc:
+            await self._abort(context, exc, f"DescribeDataset({request.name!r})")
+        return dataset_info_to_proto(reader.info())
+
+    async def StreamEpoch(
+        self, request: pb.StreamEpochRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.StreamEpochResponse]:
+        opts = StreamOptions.from_proto(request)
+        what = f"StreamEpoch({opts.dataset!r} rank {opts.rank}/{opts.world_size} epoch {opts.epoch})"
+        self.metrics.active_streams.inc()
+        task = asyncio.current_task()
+        if task is not None:
+            self.active.add(task)
+        try:
+            try:
+                reader = await self.catalog.get(opts.dataset)
+                plan = EpochPlan(
+                    num_rows=len(reader),
+                    seed=opts.seed,
+                    epoch=opts.epoch,
+                    batch_size=opts.batch_size,
+                    world_size=opts.world_size,
+                    drop_last=opts.drop_last,
+                )
+                span = StreamRange.of(plan, opts.rank, opts.start_batch, opts.end_batch)
+                dealer = Dealer(
+                    reader,
+                    plan,
+                    span,
+                    ordered=opts.ordered,
+                    prefetch=opts.prefetch or None,
+                    columns=opts.columns,
+                    decode_images=opts.decode_images,
+                    limits=self.limits,
+                    server_reads=self.server_reads,
+                    executor=self.executor,
+                    observer=self.metrics,
+                )
+            except (LookupError, DatasetError, PlanError, OSError) as exc:
+                await self._abort(context, exc, what)
+                return
+            name = reader.name
+            yield header_to_proto(reader.info(), plan, span)
+            try:
+                async for chunk in dealer:
+                    msg = chunk_to_proto(chunk, plan.epoch)
+                    yield msg
+                    self.metrics.samples.labels(name).inc(len(chunk.refs))
+                    self.metrics.bytes.labels(name).inc(chunk.payload.nbytes)
+                    self.metrics.chunks.labels(name).inc()
+                    self.metrics.batches.labels(name).inc(len(chunk.completed_batches))
+            except (DatasetError, OSError) as exc:
+                await self._abort(context, exc, what)
+                return
+            self.metrics.streams_total.labels("OK").inc()
+        except asyncio.CancelledError:
+            # The client went away (or the server is stopping): the dealer's finally
+            # has already cancelled this stream's reads; nothing else is affected.
+            self.metrics.streams_total.labels("CANCELLED").inc()
+            log.info("%s: cancelled by the client or shutdown", what)
+            raise
+        finally:
+            self.metrics.active_streams.dec()
+            if task is not None:
+                self.active.discard(task)
