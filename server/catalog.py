@@ -59,7 +59,12 @@ class Catalog:
             return reader
         lat = self.latency
         return LatencyInjected(
-            reader, distribution=lat.distribution, median_ms=lat.median_ms, sigma=lat.sigma, seed=lat.seed
+            reader,
+            distribution=lat.distribution,
+            median_ms=lat.median_ms,
+            sigma=lat.sigma,
+            seed=lat.seed,
+            overrides={int(k): float(v) for k, v in (lat.overrides or {}).items()},
         )
 
     def _open_path(self, path: str, name: str | None) -> Reader:

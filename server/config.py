@@ -20,6 +20,8 @@ class LatencySpec:
     distribution: str = "lognormal"
     sigma: float = 0.5
     seed: int = 0
+    #: Global index -> fixed delay in seconds, for reads that must be slow (tests).
+    overrides: dict[int, float] | None = None
 
 
 @dataclass(frozen=True)

@@ -10,9 +10,10 @@ flushed when a chunk holds `chunk_samples` samples or `chunk_bytes` bytes, when
 Ordered mode (the ablation): one read at a time, in plan order.
 
 Backpressure: the window only moves past a batch once all its samples were handed to
-the consumer (the gRPC writer, which waits on HTTP/2 flow control), and no new batch is
+the consumer (the gRPC writer, which waits on HTTP/2 flow control), and no new read is
 issued while more than `max_buffered_bytes` of completed samples wait to be sent. A
-slow trainer therefore slows its own stream and holds a bounded amount of memory.
+slow trainer therefore slows its own stream, and holds at most about
+`max_buffered_bytes` plus `max_reads_per_stream` samples of memory.
 
 Nothing here knows about gRPC: the service turns `Chunk`s into messages.
 """
@@ -237,7 +238,7 @@ class Dealer:
         async def issue() -> None:
             io = self.reader.read_does_io
             for rb in self.plan.rank_batches(self.span.rank, self.span.start_batch, self.span.end_batch):
-                while rb.batch > state["oldest"] + self.prefetch or state["buffered"] > limits.max_buffered_bytes:
+                while rb.batch > state["oldest"] + self.prefetch:
                     window_moved.clear()
                     await window_moved.wait()
                 for pos, (index, pad) in enumerate(zip(rb.indices.tolist(), rb.padding.tolist())):
@@ -246,6 +247,9 @@ class Dealer:
                         # No I/O to overlap (memory-mapped Arrow): skip the task machinery.
                         ready.put_nowait((ref, await self.reader.read(index), None))
                         continue
+                    while state["buffered"] > limits.max_buffered_bytes:
+                        window_moved.clear()
+                        await window_moved.wait()
                     await stream_reads.acquire()
                     if self.server_reads is not None:
                         await self.server_reads.acquire()

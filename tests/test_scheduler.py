@@ -1,0 +1,172 @@
+"""The fetch scheduler's guarantees, driven deterministically by an in-memory reader."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pyarrow as pa
+import pytest
+
+from croupier.server.planner import EpochPlan
+from croupier.server.readers.synthetic import SyntheticReader
+from croupier.server.scheduler import Dealer, FetchLimits, StreamRange
+
+
+class GatedReader(SyntheticReader):
+    """A reader whose reads finish when the test says so; it counts what is in flight."""
+
+    read_does_io = True
+
+    def __init__(self, n: int, delays: dict[int, float] | None = None, default: float = 0.0):
+        super().__init__("gated", n)
+        self.delays = delays or {}
+        self.default = default
+        self.issued: list[int] = []
+        self.in_flight = 0
+        self.max_in_flight = 0
+
+    async def read(self, index: int) -> int:
+        self.issued.append(index)
+        self.in_flight += 1
+        self.max_in_flight = max(self.max_in_flight, self.in_flight)
+        try:
+            await asyncio.sleep(self.delays.get(index, self.default))
+        finally:
+            self.in_flight -= 1
+        return index
+
+
+def _rows(chunk) -> list[int]:
+    return pa.ipc.open_stream(chunk.payload.arrow_ipc).read_all().column("index").to_pylist()
+
+
+async def _collect(dealer: Dealer):
+    return [c async for c in dealer]
+
+
+def test_a_slow_read_does_not_hold_back_the_rest_of_its_batch() -> None:
+    n = 64
+    plan = EpochPlan(n, seed=0, epoch=0, batch_size=16)
+    slow = int(plan.rank_batch(0, 0).indices[0])  # position 0 of batch 0
+    reader = GatedReader(n, delays={slow: 0.3}, default=0.001)
+    chunks = asyncio.run(_collect(Dealer(reader, plan, StreamRange.of(plan, 0), prefetch=3)))
+    order = [r.index for c in chunks for r in c.refs]
+    assert order[-1] == slow, "the slow read should arrive after every other sample"
+    assert sorted(order) == list(range(n))
+    for c in chunks:
+        assert _rows(c) == [r.index for r in c.refs], "payload rows must follow the tags"
+    # Batches 1..3 completed before batch 0, whose first sample was slow.
+    completed = [b for c in chunks for b in c.completed_batches]
+    assert completed[-1] == 0 and sorted(completed) == [0, 1, 2, 3]
+
+
+def test_ordered_mode_reads_one_sample_at_a_time_in_plan_order() -> None:
+    n = 50
+    plan = EpochPlan(n, seed=1, epoch=0, batch_size=8)
+    reader = GatedReader(n, default=0.0005)
+    chunks = asyncio.run(_collect(Dealer(reader, plan, StreamRange.of(plan, 0), ordered=True)))
+    expected = [i for rb in plan.rank_batches(0) for i in rb.indices.tolist()]
+    assert [r.index for c in chunks for r in c.refs] == expected
+    assert reader.issued == expected
+    assert reader.max_in_flight == 1
+
+
+def test_unordered_mode_keeps_batch_plus_prefetch_in_flight() -> None:
+    n = 256
+    plan = EpochPlan(n, seed=1, epoch=0, batch_size=16)
+    reader = GatedReader(n, default=0.02)
+    asyncio.run(_collect(Dealer(reader, plan, StreamRange.of(plan, 0), prefetch=2)))
+    assert reader.max_in_flight == 16 * 3
+
+
+def test_in_flight_reads_are_bounded_per_stream_and_per_server() -> None:
+    n = 200
+    plan = EpochPlan(n, seed=1, epoch=0, batch_size=50)
+    reader = GatedReader(n, default=0.005)
+    limits = FetchLimits(max_reads_per_stream=7)
+    asyncio.run(_collect(Dealer(reader, plan, StreamRange.of(plan, 0), limits=limits)))
+    assert reader.max_in_flight == 7
+
+    async def two_streams_one_budget() -> None:
+        budget = asyncio.Semaphore(5)
+        shared = GatedReader(n, default=0.005)
+        d = [Dealer(shared, plan, StreamRange.of(plan, 0), server_reads=budget) for _ in range(2)]
+        await asyncio.gather(*(_collect(x) for x in d))
+        assert shared.max_in_flight == 5
+
+    asyncio.run(two_streams_one_budget())
+
+
+def test_a_stalled_consumer_stalls_only_its_own_reads() -> None:
+    n = 1000
+    plan = EpochPlan(n, seed=2, epoch=0, batch_size=20)
+
+    async def scenario() -> None:
+        reader = GatedReader(n, default=0.0)
+        dealer = Dealer(reader, plan, StreamRange.of(plan, 0), prefetch=2).__aiter__()
+        await dealer.__anext__()  # take one chunk, then stop consuming
+        await asyncio.sleep(0.2)
+        # The window is the oldest unsent batch plus `prefetch` more: no read beyond it.
+        assert len(reader.issued) <= 20 * 3
+        other = GatedReader(n, default=0.0)
+        chunks = await _collect(Dealer(other, plan, StreamRange.of(plan, 0)))
+        assert sum(len(c.refs) for c in chunks) == n
+        await dealer.aclose()
+
+    asyncio.run(scenario())
+
+
+def test_buffered_bytes_bound_pauses_new_batches() -> None:
+    n = 400
+    plan = EpochPlan(n, seed=3, epoch=0, batch_size=10)
+
+    class BigItems(GatedReader):
+        async def read(self, index: int) -> bytes:  # type: ignore[override]
+            await super().read(index)
+            return b"x" * 1000
+
+        def encode(self, items, columns=(), decode_images=False):
+            return super().encode(list(range(len(items))))
+
+    async def scenario() -> None:
+        reader = BigItems(n)
+        limits = FetchLimits(max_buffered_bytes=5_000, chunk_samples=4, max_reads_per_stream=10)
+        dealer = Dealer(reader, plan, StreamRange.of(plan, 0), prefetch=20, limits=limits).__aiter__()
+        await dealer.__anext__()
+        await asyncio.sleep(0.2)
+        # Prefetch alone would allow 21 batches (210 reads); the byte bound stops reading
+        # once ~5 KB wait unsent: at most that, plus the reads in flight, plus one chunk.
+        assert len(reader.issued) <= 4 + 6 + 10 + 1
+        await dealer.aclose()
+
+    asyncio.run(scenario())
+
+
+def test_chunks_flush_by_count_and_when_a_batch_completes() -> None:
+    n = 100
+    plan = EpochPlan(n, seed=4, epoch=0, batch_size=30)
+    reader = GatedReader(n, default=0.0)
+    limits = FetchLimits(chunk_samples=8, flush_delay_s=10.0)
+    chunks = asyncio.run(_collect(Dealer(reader, plan, StreamRange.of(plan, 0), limits=limits, prefetch=0)))
+    assert all(len(c.refs) <= 8 for c in chunks)
+    # With a 10 s flush delay, only count and batch completion can have flushed them.
+    assert sum(len(c.refs) for c in chunks) == n
+
+
+def test_cancelled_stream_returns_every_server_read_slot() -> None:
+    n = 500
+    plan = EpochPlan(n, seed=5, epoch=0, batch_size=100)
+
+    async def scenario() -> None:
+        budget = asyncio.Semaphore(64)
+        reader = GatedReader(n, default=10.0)  # reads that never finish in time
+        dealer = Dealer(reader, plan, StreamRange.of(plan, 0), server_reads=budget).__aiter__()
+        task = asyncio.ensure_future(dealer.__anext__())
+        await asyncio.sleep(0.1)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await dealer.aclose()
+        assert budget._value == 64
+
+    asyncio.run(scenario())
