@@ -169,6 +169,7 @@ class Loader:
         self._next_batch = 0  # first batch not yet handed to the user
         self._ahead: set[int] = set()  # handed out already, beyond _next_batch (in_order=False)
         self._num_batches: int | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     # ---- epoch and resume state -------------------------------------------------
     @property
@@ -227,7 +228,7 @@ class Loader:
                     await conn.close()
 
             o = self.options
-            n = asyncio.run(rows())
+            n = asyncio.run_coroutine_threadsafe(rows(), self._network_loop()).result(60)
             self._num_batches = EpochPlan(n, o.seed, o.epoch, o.batch_size, o.world_size, o.drop_last).num_batches
         return self._num_batches
 
@@ -385,17 +386,14 @@ class Loader:
             finally:
                 await gen.aclose()
 
-        def worker() -> None:
-            import uvloop
-
+        async def run() -> None:
             try:
-                uvloop.run(produce())
+                await produce()
                 put(("end", None))
             except BaseException as exc:  # handed to the consumer, which raises it
                 put(("error", exc))
 
-        thread = threading.Thread(target=worker, name="croupier-loader", daemon=True)
-        thread.start()
+        future = asyncio.run_coroutine_threadsafe(run(), self._network_loop())
         try:
             while True:
                 w = time.perf_counter()
@@ -409,7 +407,36 @@ class Loader:
                 yield value
         finally:
             stop.set()
-            thread.join(timeout=10)
+            try:
+                future.result(timeout=30)
+            except BaseException:  # already reported through the queue, or torn down
+                pass
+
+    def _network_loop(self) -> asyncio.AbstractEventLoop:
+        """The Loader's own event loop, in a daemon thread, reused by every epoch.
+
+        grpc.aio binds its completion queue to a loop, so one long-lived loop per
+        Loader is both cheaper and safer than a fresh loop per epoch.
+        """
+        if self._loop is None or self._loop.is_closed():
+            import uvloop
+
+            loop = uvloop.new_event_loop()
+            threading.Thread(target=loop.run_forever, name="croupier-loader", daemon=True).start()
+            self._loop = loop
+        return self._loop
+
+    def close(self) -> None:
+        """Stop the network thread (also done when the Loader is garbage-collected)."""
+        loop, self._loop = self._loop, None
+        if loop is not None and not loop.is_closed():
+            loop.call_soon_threadsafe(loop.stop)
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass
 
     def __iter__(self) -> Iterator[Any]:
         for b in self.batches():

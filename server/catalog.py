@@ -8,8 +8,7 @@ import os
 from collections.abc import Sequence
 
 from .config import LatencySpec
-from .readers import LatencyInjected, OutsideRootsError, open_dataset, resolve_under_roots
-from .readers.base import DatasetError, DatasetInfo, Reader
+from .readers.base import DatasetError, DatasetInfo, OutsideRootsError, Reader
 from .readers.synthetic import SyntheticReader
 
 
@@ -57,6 +56,8 @@ class Catalog:
             reader.bind_executor(self.executor)
         if self.latency is None:
             return reader
+        from .readers.latency import LatencyInjected
+
         lat = self.latency
         return LatencyInjected(
             reader,
@@ -68,6 +69,8 @@ class Catalog:
         )
 
     def _open_path(self, path: str, name: str | None) -> Reader:
+        from .readers import open_dataset, resolve_under_roots
+
         if self.data_roots:
             path = str(resolve_under_roots(path, self.data_roots))
         return self._wrap(open_dataset(path, name=name, cache_dir=self.cache_dir))

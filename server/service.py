@@ -21,8 +21,7 @@ from .catalog import Catalog, UnknownDatasetError
 from .convert import chunk_to_proto, dataset_info_to_proto, header_to_proto
 from .metrics import ServerMetrics
 from .planner import EpochPlan, PlanError
-from .readers import OutsideRootsError
-from .readers.base import DatasetError, SampleError
+from .readers.base import DatasetError, OutsideRootsError, SampleError
 from .scheduler import Dealer, FetchLimits, StreamRange
 
 log = logging.getLogger("croupier.server")
@@ -90,6 +89,7 @@ class CroupierService(pb_grpc.CroupierServicer):
         task = asyncio.current_task()
         if task is not None:
             self.active.add(task)
+        outcome = "CANCELLED"  # unless the stream ends or aborts below
         try:
             try:
                 reader = await self.catalog.get(opts.dataset)
@@ -116,29 +116,30 @@ class CroupierService(pb_grpc.CroupierServicer):
                     observer=self.metrics,
                 )
             except (LookupError, DatasetError, PlanError, OSError) as exc:
+                outcome = None
                 await self._abort(context, exc, what)
                 return
             name = reader.name
             yield header_to_proto(reader.info(), plan, span)
             try:
                 async for chunk in dealer:
-                    msg = chunk_to_proto(chunk, plan.epoch)
-                    yield msg
+                    yield chunk_to_proto(chunk, plan.epoch)
                     self.metrics.samples.labels(name).inc(len(chunk.refs))
                     self.metrics.bytes.labels(name).inc(chunk.payload.nbytes)
                     self.metrics.chunks.labels(name).inc()
                     self.metrics.batches.labels(name).inc(len(chunk.completed_batches))
             except (DatasetError, OSError) as exc:
+                outcome = None
                 await self._abort(context, exc, what)
                 return
-            self.metrics.streams_total.labels("OK").inc()
-        except asyncio.CancelledError:
-            # The client went away (or the server is stopping): the dealer's finally
-            # has already cancelled this stream's reads; nothing else is affected.
-            self.metrics.streams_total.labels("CANCELLED").inc()
-            log.info("%s: cancelled by the client or shutdown", what)
-            raise
+            outcome = "OK"
         finally:
+            # A client that goes away closes this generator (or cancels its task); the
+            # dealer's own cleanup has then cancelled this stream's reads, nothing else.
+            if outcome is not None:
+                self.metrics.streams_total.labels(outcome).inc()
+            if outcome == "CANCELLED":
+                log.info("%s: cancelled by the client or by shutdown", what)
             self.metrics.active_streams.dec()
             if task is not None:
                 self.active.discard(task)

@@ -41,6 +41,10 @@ class SampleError(DatasetError):
         self.path = path
 
 
+class OutsideRootsError(DatasetError):
+    """A dataset path resolves outside every configured data root."""
+
+
 @dataclass(frozen=True)
 class ColumnInfo:
     name: str
