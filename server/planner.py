@@ -173,19 +173,39 @@ class EpochPlan:
         if not 0 <= batch < self.num_batches:
             raise PlanError(f"batch {batch} is outside 0..{self.num_batches - 1} for this epoch")
 
-    def rank_batch(self, rank: int, batch: int) -> RankBatch:
-        """Global indices of `rank`'s `batch`, in position order."""
-        self.check_rank(rank)
+    def samples_in(self, start: int, end: int) -> int:
+        """Samples in one rank's batches start..end-1, without visiting them."""
+        if end <= start:
+            return 0
+        full = (end - start) * self.batch_size
+        return full - (self.batch_size - self.last_batch_size if end == self.num_batches else 0)
+
+    def _slots(self, rank: int, batch: int) -> np.ndarray:
         length = self.batch_length(batch)
         first = batch * self.global_batch_size + rank * length
-        slots = np.arange(first, first + length, dtype=np.uint64)
-        padding = slots >= np.uint64(self.num_rows)
-        # Padding wraps around to the start of P, as DistributedSampler's does.
-        slots = np.where(padding, slots % np.uint64(self.num_rows), slots)
-        return RankBatch(batch=batch, indices=self.permutation(slots), padding=padding)
+        return np.arange(first, first + length, dtype=np.uint64)
 
-    def rank_batches(self, rank: int, start: int = 0, end: int | None = None) -> Iterator[RankBatch]:
-        """`rank`'s batches start..end-1 (end defaults to the epoch's end)."""
+    def rank_batch(self, rank: int, batch: int) -> RankBatch:
+        """Global indices of `rank`'s `batch`, in position order."""
+        return next(self.rank_batches(rank, batch, batch + 1))
+
+    def rank_batches(self, rank: int, start: int = 0, end: int | None = None, block: int = 32) -> Iterator[RankBatch]:
+        """`rank`'s batches start..end-1 (end defaults to the epoch's end).
+
+        The permutation is evaluated for `block` batches at a time: one vectorised
+        call instead of one per batch, in memory bounded by the block, not by N.
+        """
+        self.check_rank(rank)
         end = self.num_batches if end is None else end
-        for b in range(start, end):
-            yield self.rank_batch(rank, b)
+        n = np.uint64(self.num_rows)
+        for lo in range(start, end, block):
+            batches = range(lo, min(lo + block, end))
+            slots = [self._slots(rank, b) for b in batches]
+            flat = np.concatenate(slots)
+            padding = flat >= n
+            # Padding wraps around to the start of P, as DistributedSampler's does.
+            indices = self.permutation(np.where(padding, flat % n, flat))
+            offset = 0
+            for b, s in zip(batches, slots):
+                yield RankBatch(batch=b, indices=indices[offset : offset + len(s)], padding=padding[offset : offset + len(s)])
+                offset += len(s)

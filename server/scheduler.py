@@ -162,11 +162,10 @@ class Dealer:
         self.server_reads = server_reads
         self.executor = executor
         self.observer = observer or _NoObserver()
-        self._lengths = {b: plan.batch_length(b) for b in range(span.start_batch, span.end_batch)}
 
     @property
     def num_samples(self) -> int:
-        return sum(self._lengths.values())
+        return self.plan.samples_in(self.span.start_batch, self.span.end_batch)
 
     async def _encode(self, pending: _Pending) -> Chunk:
         loop = asyncio.get_running_loop()
@@ -187,15 +186,20 @@ class Dealer:
             self.observer.read_finished(time.perf_counter() - t0, ok)
 
     def __aiter__(self) -> AsyncIterator[Chunk]:
-        return self._ordered() if self.ordered else self._unordered()
+        # Without I/O to overlap (memory-mapped Arrow, no injected latency) there is
+        # nothing to reorder: both modes take the cheaper in-order path.
+        return self._unordered() if self.reader.read_does_io and not self.ordered else self._in_order()
 
-    async def _ordered(self) -> AsyncIterator[Chunk]:
-        """The ablation: one read in flight, samples in plan order."""
+    async def _in_order(self) -> AsyncIterator[Chunk]:
+        """The ablation (and the path for readers without I/O): samples in plan order."""
+        io = self.reader.read_does_io
         pending = _Pending()
         for rb in self.plan.rank_batches(self.span.rank, self.span.start_batch, self.span.end_batch):
             last = len(rb.indices) - 1
             for pos, (index, pad) in enumerate(zip(rb.indices.tolist(), rb.padding.tolist())):
-                if self.server_reads is not None:
+                if not io:
+                    item = await self.reader.read(index)
+                elif self.server_reads is not None:
                     async with self.server_reads:
                         item = await self._timed_read(index)
                 else:
@@ -213,8 +217,10 @@ class Dealer:
         limits = self.limits
         ready: asyncio.Queue[tuple[SampleRef, Any, BaseException | None]] = asyncio.Queue()
         stream_reads = asyncio.Semaphore(limits.max_reads_per_stream)
-        unreceived = dict(self._lengths)  # batch -> samples not yet in a chunk
-        unsent = dict(self._lengths)  # batch -> samples not yet handed to the consumer
+        # Per batch in the window only (entries are added on issue, dropped when done),
+        # so a stream's memory does not grow with the epoch's length.
+        unreceived: dict[int, int] = {}  # batch -> samples not yet in a chunk
+        unsent: dict[int, int] = {}  # batch -> samples not yet handed to the consumer
         window_moved = asyncio.Event()
         state = {"oldest": self.span.start_batch, "buffered": 0}
         reads: set[asyncio.Task[None]] = set()
@@ -236,17 +242,13 @@ class Dealer:
                 self.server_reads.release()
 
         async def issue() -> None:
-            io = self.reader.read_does_io
             for rb in self.plan.rank_batches(self.span.rank, self.span.start_batch, self.span.end_batch):
                 while rb.batch > state["oldest"] + self.prefetch:
                     window_moved.clear()
                     await window_moved.wait()
+                unreceived[rb.batch] = unsent[rb.batch] = len(rb.indices)
                 for pos, (index, pad) in enumerate(zip(rb.indices.tolist(), rb.padding.tolist())):
                     ref = SampleRef(rb.batch, pos, index, pad)
-                    if not io:
-                        # No I/O to overlap (memory-mapped Arrow): skip the task machinery.
-                        ready.put_nowait((ref, await self.reader.read(index), None))
-                        continue
                     while state["buffered"] > limits.max_buffered_bytes:
                         window_moved.clear()
                         await window_moved.wait()
@@ -279,6 +281,7 @@ class Dealer:
                     pending.add(ref, item, nbytes, limits.flush_delay_s)
                     unreceived[ref.batch] -= 1
                     if unreceived[ref.batch] == 0:
+                        del unreceived[ref.batch]
                         pending.completed.append(ref.batch)
                     if not pending.full(limits) and remaining and time.monotonic() < pending.deadline:
                         continue
@@ -291,7 +294,8 @@ class Dealer:
                 state["buffered"] -= sent_bytes
                 for ref in chunk.refs:
                     unsent[ref.batch] -= 1
-                while state["oldest"] < self.span.end_batch and unsent[state["oldest"]] == 0:
+                while state["oldest"] < self.span.end_batch and unsent.get(state["oldest"]) == 0:
+                    del unsent[state["oldest"]]
                     state["oldest"] += 1
                 window_moved.set()
         finally:
