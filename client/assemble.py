@@ -144,10 +144,15 @@ class BatchAssembler:
         out = RawBatch(self.epoch, batch, p.indices, p.padding)
         if self.is_table:
             # Gather the rows of every chunk, then one take puts them in position order.
-            tables = [pa.Table.from_batches([rb.take(pa.array(rows))]) for rb, rows, _ in p.parts]
+            tables = [
+                pa.Table.from_batches([rb if len(rows) == rb.num_rows else rb.take(pa.array(rows))])
+                for rb, rows, _ in p.parts
+            ]
             positions = np.concatenate([pos for _, _, pos in p.parts])
             table = pa.concat_tables(tables) if len(tables) > 1 else tables[0]
-            out.table = table.take(pa.array(np.argsort(positions, kind="stable")))
+            order = np.argsort(positions, kind="stable")
+            in_place = bool((order == np.arange(len(order))).all())
+            out.table = table if in_place else table.take(pa.array(order))
         else:
             out.images = p.images
         return out
