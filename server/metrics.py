@@ -1,20 +1,79 @@
 """Prometheus metrics of one server process, on their own registry.
 
-Exposed on `/metrics` by `serve(metrics_port=...)`. The scheduler reports reads through
-the `FetchObserver` hooks; the service counts samples, bytes and streams.
+Exposed on `/metrics` by `serve(metrics_port=...)`. Per-read figures (reads in flight,
+read latency) are kept as plain numbers and turned into metric families only when
+scraped: a prometheus_client call per read would cost more than the read's own
+scheduling. Per-stream and per-chunk counters use prometheus_client directly.
 """
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+import threading
 
-_READ_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
+import numpy as np
+from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+
+READ_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
+
+
+class ReadStats:
+    """Reads in flight, failures and a latency histogram, fed cheaply from the event loop."""
+
+    def __init__(self) -> None:
+        self.in_flight = 0
+        self.failures = 0
+        self._pending: list[float] = []
+        self._lock = threading.Lock()  # folding races only with a scrape, never per read
+        self._counts = np.zeros(len(READ_BUCKETS) + 1, dtype=np.int64)
+        self._sum = 0.0
+
+    # FetchObserver
+    def read_started(self) -> None:
+        self.in_flight += 1
+
+    def read_finished(self, seconds: float, ok: bool) -> None:
+        self.in_flight -= 1
+        if not ok:
+            self.failures += 1
+        self._pending.append(seconds)
+        if len(self._pending) >= 1 << 16:
+            self._fold()
+
+    def _fold(self) -> None:
+        with self._lock:
+            pending, self._pending = self._pending, []
+            if pending:
+                lat = np.asarray(pending)
+                self._counts += np.bincount(np.searchsorted(READ_BUCKETS, lat, side="left"),
+                                            minlength=len(self._counts))
+                self._sum += float(lat.sum())
+
+    def histogram(self) -> tuple[list[tuple[str, float]], float]:
+        self._fold()
+        with self._lock:
+            cumulative = np.cumsum(self._counts)
+            buckets = [(str(b), float(c)) for b, c in zip(READ_BUCKETS, cumulative)]
+            buckets.append(("+Inf", float(cumulative[-1])))
+            return buckets, self._sum
+
+    def collect(self):
+        yield GaugeMetricFamily("croupier_reads_in_flight", "Sample reads in flight now", value=self.in_flight)
+        errors = CounterMetricFamily("croupier_read_errors", "Sample reads that failed")
+        errors.add_metric([], self.failures)
+        yield errors
+        buckets, total = self.histogram()
+        h = HistogramMetricFamily("croupier_read_latency_seconds", "Latency of one sample read")
+        h.add_metric([], buckets, total)
+        yield h
 
 
 class ServerMetrics:
     def __init__(self, registry: CollectorRegistry | None = None):
         self.registry = registry or CollectorRegistry()
         r = self.registry
+        self.reads = ReadStats()
+        r.register(self.reads)
         self.samples = Counter("croupier_samples_served", "Samples sent to clients", ["dataset"], registry=r)
         self.bytes = Counter("croupier_bytes_served", "Payload bytes sent to clients", ["dataset"], registry=r)
         self.chunks = Counter("croupier_chunks_served", "Chunks (messages) sent", ["dataset"], registry=r)
@@ -23,21 +82,6 @@ class ServerMetrics:
             "croupier_streams", "StreamEpoch calls by outcome (gRPC status name)", ["code"], registry=r
         )
         self.active_streams = Gauge("croupier_active_streams", "Streams open now", registry=r)
-        self.reads_in_flight = Gauge("croupier_reads_in_flight", "Sample reads in flight now", registry=r)
-        self.read_errors = Counter("croupier_read_errors", "Sample reads that failed", registry=r)
-        self.read_latency = Histogram(
-            "croupier_read_latency_seconds", "Latency of one sample read", buckets=_READ_BUCKETS, registry=r
-        )
-
-    # FetchObserver
-    def read_started(self) -> None:
-        self.reads_in_flight.inc()
-
-    def read_finished(self, seconds: float, ok: bool) -> None:
-        self.reads_in_flight.dec()
-        self.read_latency.observe(seconds)
-        if not ok:
-            self.read_errors.inc()
 
     def serve_http(self, port: int, host: str = "127.0.0.1") -> int:
         """Start the /metrics endpoint in a thread; returns the bound port."""

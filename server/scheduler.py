@@ -25,7 +25,7 @@ import concurrent.futures
 import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 from .planner import EpochPlan, PlanError
 from .readers.base import Payload, Reader
@@ -50,8 +50,7 @@ class FetchLimits:
             raise ValueError("flush_delay_s and default_prefetch must not be negative")
 
 
-@dataclass(frozen=True)
-class SampleRef:
+class SampleRef(NamedTuple):
     """Where a sample goes: (batch, position in batch) of this rank, and its global index."""
 
     batch: int
@@ -175,7 +174,8 @@ class Dealer:
         return Chunk(refs=pending.refs, payload=payload, completed_batches=pending.completed)
 
     async def _timed_read(self, index: int) -> Any:
-        self.observer.read_started()
+        observer = self.observer
+        observer.read_started()
         t0 = time.perf_counter()
         ok = False
         try:
@@ -183,7 +183,7 @@ class Dealer:
             ok = True
             return item
         finally:
-            self.observer.read_finished(time.perf_counter() - t0, ok)
+            observer.read_finished(time.perf_counter() - t0, ok)
 
     def __aiter__(self) -> AsyncIterator[Chunk]:
         # Without I/O to overlap (memory-mapped Arrow, no injected latency) there is
@@ -215,7 +215,7 @@ class Dealer:
 
     async def _unordered(self) -> AsyncIterator[Chunk]:
         limits = self.limits
-        ready: asyncio.Queue[tuple[SampleRef, Any, BaseException | None]] = asyncio.Queue()
+        ready: asyncio.Queue[tuple[SampleRef, Any, int, BaseException | None]] = asyncio.Queue()
         stream_reads = asyncio.Semaphore(limits.max_reads_per_stream)
         # Per batch in the window only (entries are added on issue, dropped when done),
         # so a stream's memory does not grow with the epoch's length.
@@ -230,8 +230,9 @@ class Dealer:
                 item, err = await self._timed_read(ref.index), None
             except Exception as exc:  # handed to the sender, which raises it
                 item, err = None, exc
-            state["buffered"] += _item_nbytes(item)
-            ready.put_nowait((ref, item, err))
+            nbytes = _item_nbytes(item)
+            state["buffered"] += nbytes
+            ready.put_nowait((ref, item, nbytes, err))
 
         def read_done(task: asyncio.Task[None]) -> None:
             # A done callback, not a `finally`: a task cancelled before it ever ran
@@ -273,11 +274,10 @@ class Dealer:
                 else:
                     entry = await self._next_or_issuer_error(ready, issuer)
                 if entry is not None:
-                    ref, item, err = entry
+                    ref, item, nbytes, err = entry
                     if err is not None:
                         raise err
                     remaining -= 1
-                    nbytes = _item_nbytes(item)
                     pending.add(ref, item, nbytes, limits.flush_delay_s)
                     unreceived[ref.batch] -= 1
                     if unreceived[ref.batch] == 0:

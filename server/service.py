@@ -113,7 +113,7 @@ class CroupierService(pb_grpc.CroupierServicer):
                     limits=self.limits,
                     server_reads=self.server_reads,
                     executor=self.executor,
-                    observer=self.metrics,
+                    observer=self.metrics.reads,
                 )
             except (LookupError, DatasetError, PlanError, OSError) as exc:
                 outcome = None
