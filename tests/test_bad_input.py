@@ -1,0 +1,143 @@
+"""Bad input gets a clear status naming the value, file or index, and the server stays up."""
+
+from __future__ import annotations
+
+import io
+import tarfile
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from PIL import Image
+
+from croupier.client import Loader, LoaderError
+from croupier.options import StreamOptions
+from croupier.v1 import croupier_pb2_grpc
+
+
+def _stream_error(address: str, **opts) -> grpc.RpcError:
+    with grpc.insecure_channel(address) as ch:
+        stub = croupier_pb2_grpc.CroupierStub(ch)
+        with pytest.raises(grpc.RpcError) as info:
+            for _ in stub.StreamEpoch(StreamOptions(**opts).to_proto(), timeout=60):
+                pass
+    return info.value
+
+
+def _still_serves(address: str) -> None:
+    got = [i for b in Loader("rows", servers=address, batch_size=10).batches() for i in b.indices.tolist()]
+    assert sorted(got) == list(range(50))
+
+
+def _png(value: int) -> bytes:
+    buf = io.BytesIO()
+    Image.fromarray(np.full((8, 8, 3), value, np.uint8)).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+@pytest.fixture
+def data_root(tmp_path: Path) -> Path:
+    root = tmp_path / "data"
+    root.mkdir()
+    table = pa.table({"x": np.arange(100)})
+    with pa.ipc.new_file(root / "good.arrow", table.schema) as w:
+        w.write_table(table)
+    (root / "corrupt.arrow").write_bytes(b"ARROW1\x00\x00" + bytes(range(256)) * 4)
+    pq.write_table(table, root / "truncated.parquet", row_group_size=10)
+    data = (root / "truncated.parquet").read_bytes()
+    (root / "truncated.parquet").write_bytes(data[: len(data) // 2])
+    shard = root / "shards" / "s-000.tar"
+    shard.parent.mkdir()
+    with tarfile.open(shard, "w") as tar:
+        for i in range(4):
+            for ext, payload in (("png", _png(i)), ("cls", str(i % 2).encode())):
+                info = tarfile.TarInfo(f"{i:04d}.{ext}")
+                info.size = len(payload)
+                tar.addfile(info, io.BytesIO(payload))
+    raw = shard.read_bytes()
+    (root / "broken_shards").mkdir()
+    (root / "broken_shards" / "s-000.tar").write_bytes(raw[: len(raw) - 1500])
+    images = root / "images"
+    for cls in ("a", "b"):
+        (images / cls).mkdir(parents=True)
+        for i in range(3):
+            (images / cls / f"{i}.png").write_bytes(_png(i))
+    (images / "b" / "9.png").write_bytes(b"this is not an image at all")
+    return root
+
+
+@pytest.fixture
+def server(serve_inprocess, data_root: Path):
+    return serve_inprocess(datasets=["rows=synthetic:50"], data_roots=[str(data_root)])
+
+
+def test_unknown_dataset_is_not_found_and_named(server) -> None:
+    err = _stream_error(server.address, dataset="nope", batch_size=4)
+    assert err.code() == grpc.StatusCode.NOT_FOUND
+    assert "'nope'" in err.details() and "rows" in err.details()
+    _still_serves(server.address)
+
+
+def test_rank_outside_the_world_is_invalid_and_named(server) -> None:
+    err = _stream_error(server.address, dataset="rows", batch_size=4, rank=3, world_size=3)
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "rank 3" in err.details() and "size 3" in err.details()
+    _still_serves(server.address)
+
+
+@pytest.mark.parametrize("batch_size, words", [(0, "at least 1"), (51, "larger than the dataset (50 rows)")])
+def test_impossible_batch_size_is_invalid_and_named(server, batch_size: int, words: str) -> None:
+    err = _stream_error(server.address, dataset="rows", batch_size=batch_size)
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert words in err.details()
+    _still_serves(server.address)
+
+
+def test_start_batch_past_the_epoch_is_out_of_range(server) -> None:
+    err = _stream_error(server.address, dataset="rows", batch_size=10, start_batch=6)
+    assert err.code() == grpc.StatusCode.OUT_OF_RANGE
+    assert "start_batch 6" in err.details()
+
+
+def test_path_outside_the_data_roots_is_denied(server, tmp_path: Path) -> None:
+    outside = tmp_path / "elsewhere.arrow"
+    outside.write_bytes(b"")
+    for path in (str(outside), "../elsewhere.arrow"):
+        err = _stream_error(server.address, dataset=path, batch_size=4)
+        assert err.code() == grpc.StatusCode.PERMISSION_DENIED
+        assert "elsewhere.arrow" in err.details()
+    _still_serves(server.address)
+
+
+def test_path_under_a_data_root_is_served(server) -> None:
+    got = [i for b in Loader("good.arrow", servers=server.address, batch_size=10).batches() for i in b.indices]
+    assert sorted(got) == list(range(100))
+
+
+@pytest.mark.parametrize("path", ["corrupt.arrow", "truncated.parquet", "broken_shards"])
+def test_corrupt_or_truncated_files_are_data_loss_naming_the_file(server, path: str) -> None:
+    err = _stream_error(server.address, dataset=path, batch_size=2)
+    assert err.code() in (grpc.StatusCode.DATA_LOSS, grpc.StatusCode.FAILED_PRECONDITION)
+    assert Path(path).name in err.details()
+    _still_serves(server.address)
+
+
+def test_bytes_that_are_not_an_image_name_the_file_and_index(server) -> None:
+    loader = Loader("images", servers=server.address, batch_size=7, max_retries=0)
+    with pytest.raises(LoaderError) as info:
+        list(loader)
+    assert info.value.code == grpc.StatusCode.DATA_LOSS
+    assert "9.png" in str(info.value)
+    _still_serves(server.address)
+
+
+def test_bad_server_config_file_names_the_setting(tmp_path: Path) -> None:
+    from croupier.server.config import load_config_file
+
+    cfg = tmp_path / "server.yaml"
+    cfg.write_text("port: 1\nmax_readz: 4\n")
+    with pytest.raises(ValueError, match="unknown setting 'max_readz'"):
+        load_config_file(cfg)
