@@ -102,12 +102,17 @@ class Catalog:
                 f"dataset {name_or_path!r} is not served here; datasets: {self.names()}"
                 + ("" if self.data_roots else " (no data roots are configured, so paths are not accepted)")
             )
-        key = os.path.realpath(os.path.join(self.data_roots[0], name_or_path))
+        candidate = os.path.join(self.data_roots[0], name_or_path)
+        if not os.path.lexists(candidate):
+            raise UnknownDatasetError(
+                f"dataset {name_or_path!r} is not served here, nor a path under the data roots "
+                f"{list(self.data_roots)}; datasets: {self.names()}"
+            )
+        key = os.path.realpath(candidate)
         if key in self._by_path:
             return self._by_path[key]
         if key not in self._opening:
             loop = asyncio.get_running_loop()
-            candidate = name_or_path if os.path.isabs(name_or_path) else os.path.join(self.data_roots[0], name_or_path)
             self._opening[key] = asyncio.ensure_future(
                 loop.run_in_executor(self.executor, self._open_path, candidate, None)
             )

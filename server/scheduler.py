@@ -107,6 +107,8 @@ def _item_nbytes(item: Any) -> int:
         return len(item)
     if isinstance(item, dict):
         return sum(_item_nbytes(v) for v in item.values())
+    if isinstance(item, tuple):
+        return sum(len(v) for v in item if isinstance(v, bytes))
     nbytes = getattr(item, "nbytes", None)
     return nbytes if isinstance(nbytes, int) else 0
 

@@ -59,7 +59,7 @@ def data_root(tmp_path: Path) -> Path:
                 tar.addfile(info, io.BytesIO(payload))
     raw = shard.read_bytes()
     (root / "broken_shards").mkdir()
-    (root / "broken_shards" / "s-000.tar").write_bytes(raw[: len(raw) - 1500])
+    (root / "broken_shards" / "s-000.tar").write_bytes(raw[:1800])  # cut inside the 2nd member
     images = root / "images"
     for cls in ("a", "b"):
         (images / cls).mkdir(parents=True)

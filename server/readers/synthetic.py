@@ -12,6 +12,7 @@ from collections.abc import Sequence
 import numpy as np
 import pyarrow as pa
 
+from .arrow_ipc import select_columns, to_ipc_payload
 from .base import ColumnInfo, DatasetError, DatasetInfo, Reader, TablePayload
 
 SCHEMA = pa.schema([("index", pa.int64()), ("value", pa.float64()), ("payload", pa.binary())])
@@ -61,13 +62,4 @@ class SyntheticReader(Reader):
             },
             schema=SCHEMA,
         )
-        if columns:
-            missing = [c for c in columns if c not in SCHEMA.names]
-            if missing:
-                raise DatasetError(f"synthetic dataset {self.name!r} has no column {missing[0]!r}; columns: {SCHEMA.names}")
-            table = table.select(list(columns))
-        sink = pa.BufferOutputStream()
-        with pa.ipc.new_stream(sink, table.schema) as writer:
-            writer.write_table(table)
-        buf = sink.getvalue()
-        return TablePayload(arrow_ipc=buf.to_pybytes(), nbytes=buf.size)
+        return to_ipc_payload(select_columns(table, columns, f"synthetic dataset {self.name!r}"))
