@@ -41,8 +41,12 @@ class SampleError(DatasetError):
         self.path = path
 
 
-class OutsideRootsError(DatasetError):
-    """A dataset path resolves outside every configured data root."""
+class OutsideRootsError(DatasetError, PermissionError):
+    """A dataset path resolves outside every configured data root (a PermissionError too)."""
+
+
+class UnknownColumnError(DatasetError):
+    """A requested column is not in the dataset; the message lists the columns it has."""
 
 
 @dataclass(frozen=True)

@@ -1,10 +1,14 @@
-"""What image readers share: sniffing formats, building records, server-side decoding."""
+"""What image readers share: reading bytes with aiofiles, sniffing formats, building
+records, and decoding on the server when a client asks for it."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import io
 from collections.abc import Sequence
+from typing import NamedTuple
 
+import aiofiles
 import numpy as np
 
 from .base import ImagePayload, ImageRecord, SampleError
@@ -20,6 +24,39 @@ _MAGIC = (
 )
 
 
+class ImageItem(NamedTuple):
+    """What an image reader's `read` hands to `encode`."""
+
+    index: int
+    data: bytes
+    label: int
+    format: str
+    key: str  # sent with the record: path relative to the dataset, or tar member name
+    where: str  # for error messages: the full file (and member)
+
+
+def is_image_name(name: str) -> bool:
+    return name.lower().endswith(IMAGE_EXTENSIONS)
+
+
+async def read_bytes(
+    path: str, index: int, where: str, executor: concurrent.futures.Executor | None, offset: int = 0, size: int = -1
+) -> bytes:
+    """`size` bytes at `offset` of `path` (the whole file for -1); errors name `where` and `index`."""
+    try:
+        async with aiofiles.open(path, "rb", executor=executor) as f:
+            if offset:
+                await f.seek(offset)
+            data = await f.read(size)
+    except OSError as exc:
+        raise SampleError(f"sample {index} ({where}): cannot read: {exc}", index=index, path=path) from exc
+    if size >= 0 and len(data) != size:
+        raise SampleError(
+            f"sample {index} ({where}): file is truncated ({len(data)} of {size} bytes)", index=index, path=path
+        )
+    return data
+
+
 def sniff_format(data: bytes) -> str | None:
     for magic, fmt in _MAGIC:
         if data.startswith(magic):
@@ -29,40 +66,35 @@ def sniff_format(data: bytes) -> str | None:
     return None
 
 
-def checked_format(data: bytes, index: int, where: str) -> str:
-    """The image format of `data`, or a SampleError naming the file and index."""
+def checked_format(data: bytes, index: int, where: str, path: str | None = None) -> str:
+    """The image format of `data` from its magic bytes, or a SampleError naming file and index."""
     fmt = sniff_format(data)
     if fmt is None:
         raise SampleError(
             f"sample {index} ({where}): not an image (starts with {data[:8]!r}; expected JPEG, PNG, WebP, BMP or GIF)",
             index=index,
-            path=where,
+            path=path or where,
         )
     return fmt
 
 
-def decode_rgb(data: bytes, index: int, where: str) -> ImageRecord:
-    from PIL import Image, UnidentifiedImageError
+def decode_rgb(item: ImageItem) -> ImageRecord:
+    """The item's image as raw RGB bytes, height x width x 3, uint8."""
+    from PIL import Image
 
     try:
-        with Image.open(io.BytesIO(data)) as img:
+        with Image.open(io.BytesIO(item.data)) as img:
             arr = np.asarray(img.convert("RGB"))
-    except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as exc:
-        raise SampleError(f"sample {index} ({where}): cannot decode image: {exc}", index=index, path=where) from exc
+    except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as exc:
+        raise SampleError(
+            f"sample {item.index} ({item.where}): cannot decode image: {exc}", index=item.index, path=item.where
+        ) from exc
     h, w, c = arr.shape
-    return ImageRecord(data=arr.tobytes(), label=-1, format="raw", key=where, height=h, width=w, channels=c)
+    return ImageRecord(data=arr.tobytes(), label=item.label, format="raw", key=item.key, height=h, width=w, channels=c)
 
 
-def image_payload(
-    items: Sequence[tuple[int, bytes, int, str, str]], decode_images: bool
-) -> ImagePayload:
-    """items: (index, encoded bytes, label, format, key) per sample, in chunk order."""
-    records = []
-    for index, data, label, fmt, key in items:
-        if decode_images:
-            rec = decode_rgb(data, index, key)
-            rec.label, rec.key = label, key
-        else:
-            rec = ImageRecord(data=data, label=label, format=fmt, key=key)
-        records.append(rec)
-    return ImagePayload(records)
+def image_payload(items: Sequence[ImageItem], decode_images: bool) -> ImagePayload:
+    """One record per item, in chunk order: encoded bytes as read, or decoded RGB."""
+    if decode_images:
+        return ImagePayload([decode_rgb(it) for it in items])
+    return ImagePayload([ImageRecord(data=it.data, label=it.label, format=it.format, key=it.key) for it in items])

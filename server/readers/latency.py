@@ -14,6 +14,7 @@ Distributions (median m milliseconds):
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -58,7 +59,15 @@ class LatencySampler:
 
 
 class LatencyInjected(Reader):
-    """`inner` with a delay before every read; `overrides` pins the delay of chosen indices."""
+    """`inner` with a simulated storage delay awaited before every read.
+
+    The delay of each read is drawn, in call order, from a numpy RNG seeded with `seed`:
+    "fixed" waits `median_ms`; "uniform" is uniform on [0, 2 * median_ms]; "lognormal"
+    is exp(N(ln median_ms, sigma^2)) ms (median `median_ms`, mean
+    median_ms * exp(sigma^2 / 2)). `overrides` maps a global index to a fixed delay in
+    seconds for every read of it (to make one read slow on purpose). Everything else
+    (len, info, encode, close) is the inner reader's.
+    """
 
     read_does_io = True
 
@@ -78,7 +87,7 @@ class LatencyInjected(Reader):
         self.sampler = LatencySampler(distribution, median_ms, sigma, seed)
         self.overrides = dict(overrides or {})
 
-    def bind_executor(self, executor) -> None:
+    def bind_executor(self, executor: concurrent.futures.Executor) -> None:
         super().bind_executor(executor)
         self.inner.bind_executor(executor)
 

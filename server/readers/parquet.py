@@ -1,13 +1,16 @@
-"""Parquet files (or a folder of them), read by row group.
+"""Parquet files (or a folder of them, in sorted order), read by row group.
 
-A random row costs decoding its row group, so decoded row groups stay in an LRU cache
-bounded in bytes, and concurrent reads of one row group share a single decode.
+A random row costs decoding its whole row group, so decoded row groups stay in an LRU
+cache bounded in bytes (the newest one is kept even when it alone exceeds the bound),
+and concurrent reads of one row group share a single decode. `read` returns a one-row
+slice of the decoded group; `encode` concatenates a chunk's slices into one batch.
 """
 
 from __future__ import annotations
 
 import asyncio
 import bisect
+import functools
 from collections import OrderedDict
 from collections.abc import Sequence
 from pathlib import Path
@@ -15,69 +18,82 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from .arrow_ipc import select_columns, to_ipc_payload
-from .base import ColumnInfo, DatasetError, DatasetInfo, Reader, SampleError, TablePayload
+from .base import DatasetError, DatasetInfo, Reader, SampleError, TablePayload
+from .tables import select_columns, table_info, to_ipc_payload
+
+DEFAULT_CACHE_BYTES = 256 << 20
+
+
+def _parquet_files(path: Path) -> list[Path]:
+    if path.is_dir():
+        files = sorted(f for f in path.iterdir() if f.suffix.lower() == ".parquet" and f.is_file())
+        if not files:
+            raise DatasetError(f"Parquet dataset {path}: the folder holds no .parquet files")
+        return files
+    if not path.is_file():
+        raise DatasetError(f"Parquet dataset {path} does not exist")
+    return [path]
 
 
 class ParquetReader(Reader):
     format = "parquet"
 
-    def __init__(self, name: str, path: str, cache_bytes: int = 256 << 20):
+    def __init__(self, name: str, path: str, cache_bytes: int = DEFAULT_CACHE_BYTES):
         super().__init__(name, path)
-        p = Path(path)
-        files = sorted(f for f in p.glob("*.parquet")) if p.is_dir() else [p]
-        if not files or not all(f.is_file() for f in files):
-            raise DatasetError(f"Parquet dataset {path}: no .parquet files found")
-        self.files: list[pq.ParquetFile] = []
+        self.paths = _parquet_files(Path(path))
+        # Footers are parsed once; each decode reopens its file with them (cheap, and no
+        # file object is shared between executor threads).
+        self.metadata: list[pq.FileMetaData] = []
         self.groups: list[tuple[int, int]] = []  # (file number, row group) in global order
         self.starts: list[int] = []  # first global row of each group
         total = 0
-        schema = None
-        for fno, f in enumerate(files):
+        schema: pa.Schema | None = None
+        for fno, f in enumerate(self.paths):
             try:
                 pf = pq.ParquetFile(str(f))
+                file_schema = pf.schema_arrow
             except (pa.ArrowInvalid, OSError) as exc:
                 raise DatasetError(f"{f} is not a readable Parquet file (corrupt or truncated?): {exc}") from exc
             if schema is None:
-                schema = pf.schema_arrow
-            elif not pf.schema_arrow.equals(schema):
-                raise DatasetError(f"{f}: schema differs from {files[0]}")
-            self.files.append(pf)
+                schema = file_schema
+            elif not file_schema.equals(schema):
+                raise DatasetError(f"Parquet dataset {path}: {f} has schema {file_schema}, unlike {self.paths[0]}: {schema}")
+            self.metadata.append(pf.metadata)
             for g in range(pf.metadata.num_row_groups):
                 self.groups.append((fno, g))
                 self.starts.append(total)
                 total += pf.metadata.row_group(g).num_rows
-        self.num_rows = total
+            pf.close()
+        assert schema is not None
         self.schema = schema
-        self.paths = files
+        self.num_rows = total
         self.cache_bytes = cache_bytes
         self._cache: OrderedDict[int, pa.Table] = OrderedDict()
         self._cached_bytes = 0
         self._decoding: dict[int, asyncio.Future[pa.Table]] = {}
+        #: Row groups decoded so far (a cache hit or a shared decode does not count).
+        self.decodes = 0
 
     def __len__(self) -> int:
         return self.num_rows
 
     def info(self) -> DatasetInfo:
-        assert self.schema is not None
-        return DatasetInfo(
-            name=self.name,
-            num_rows=self.num_rows,
-            kind="table",
-            format=self.format,
-            path=self.path,
-            columns=tuple(ColumnInfo(f.name, str(f.type)) for f in self.schema),
-            arrow_schema=self.schema.serialize().to_pybytes(),
-        )
+        return table_info(self, self.schema)
 
     def _decode(self, group: int) -> pa.Table:
         fno, g = self.groups[group]
+        path = self.paths[fno]
         try:
-            return self.files[fno].read_row_group(g)
+            with pq.ParquetFile(str(path), metadata=self.metadata[fno]) as pf:
+                return pf.read_row_group(g)
         except (pa.ArrowInvalid, OSError) as exc:
-            raise SampleError(f"{self.paths[fno]}: row group {g} is unreadable: {exc}", path=str(self.paths[fno])) from exc
+            raise SampleError(f"{path}: row group {g} is unreadable: {exc}", path=str(path)) from exc
 
-    def _remember(self, group: int, table: pa.Table) -> None:
+    def _decoded(self, group: int, fut: asyncio.Future[pa.Table]) -> None:
+        del self._decoding[group]
+        if fut.cancelled() or fut.exception() is not None:
+            return
+        table = fut.result()
         self._cache[group] = table
         self._cached_bytes += table.nbytes
         while self._cached_bytes > self.cache_bytes and len(self._cache) > 1:
@@ -91,14 +107,11 @@ class ParquetReader(Reader):
             return table
         fut = self._decoding.get(group)
         if fut is None:
+            self.decodes += 1
             fut = asyncio.ensure_future(self.run_blocking(self._decode, group))
+            fut.add_done_callback(functools.partial(self._decoded, group))
             self._decoding[group] = fut
-            try:
-                table = await fut
-            finally:
-                del self._decoding[group]
-            self._remember(group, table)
-            return table
+        # shield: a reader cancelled while waiting must not cancel the others' decode.
         return await asyncio.shield(fut)
 
     async def read(self, index: int) -> pa.Table:
@@ -107,9 +120,16 @@ class ParquetReader(Reader):
         try:
             table = await self._row_group(group)
         except SampleError as exc:
-            raise SampleError(f"{exc} (row {index})", index=index, path=exc.path) from None
+            raise SampleError(f"parquet dataset {self.name!r}, row {index}: {exc}", index=index, path=exc.path) from None
         return table.slice(index - self.starts[group], 1)
 
     def encode(self, items: Sequence[pa.Table], columns: Sequence[str] = (), decode_images: bool = False) -> TablePayload:
-        table = pa.concat_tables(items) if len(items) > 1 else items[0]
+        if len(items) == 1:
+            table = items[0]
+        else:
+            table = pa.concat_tables(items) if items else self.schema.empty_table()
         return to_ipc_payload(select_columns(table, columns, f"parquet dataset {self.name!r} ({self.path})"))
+
+    def close(self) -> None:
+        self._cache.clear()
+        self._cached_bytes = 0

@@ -1,11 +1,18 @@
 """WebDataset tar shards with an offset index, for random access to any sample.
 
-Members `dir/key.ext` with the same key form one sample (key = path up to the first
-dot of the file name). The image is the first member with an image extension; the
-label comes from a `cls`, `label` or `txt` member holding an integer. The index (per
-shard: key -> {ext: [offset, size]}) is built once by scanning the tar headers and
-cached beside the shard as `<shard>.idx.json`, or under `cache_dir` when the data
-folder is read-only; it is rebuilt when the shard's size or mtime changes.
+Members `dir/key.ext` with the same key form one sample (key = the member path up to
+the first dot of its file name). The image is the member with the first extension of
+IMAGE_EXTS present; the label is the integer held by a `cls` or `label` member (or a
+`txt` member when it holds an integer; captions are not labels), -1 when none. Shards
+are the `.tar` files of a folder in sorted order, or one `.tar` file; class names, if
+any, come from `classes.txt` (one per line) beside the shards.
+
+The offset index (per shard: samples in tar order as key, {ext: [data offset, size]},
+label) is built once by scanning the tar headers and cached as JSON, stamped with the
+shard's size and mtime and rebuilt when either changes. It is looked up beside the
+shard (`<shard>.idx.json`, which lets a read-only dataset ship its index) and then in
+the cache folder; it is written to `cache_dir` when one is given, else beside the shard
+when that folder is writable, else under ~/.cache/croupier/tar-index.
 """
 
 from __future__ import annotations
@@ -17,127 +24,162 @@ import tarfile
 from collections.abc import Sequence
 from pathlib import Path
 
-import aiofiles
+from .base import DatasetError, DatasetInfo, ImagePayload, Reader
+from .images import ImageItem, checked_format, image_payload, read_bytes
 
-from .base import DatasetError, DatasetInfo, ImagePayload, Reader, SampleError
-from .images import checked_format, image_payload
-
-INDEX_VERSION = 1
-LABEL_EXTENSIONS = ("cls", "label", "txt")
+INDEX_VERSION = 2
 IMAGE_EXTS = ("jpg", "jpeg", "png", "webp", "bmp", "gif")
+LABEL_EXTS = ("cls", "label")  # must hold an integer
+OPTIONAL_LABEL_EXTS = ("txt",)  # a label when it holds an integer
+CLASSES_FILE = "classes.txt"
+_MAX_LABEL_BYTES = 32
+
+#: One shard's samples in tar order: (key, {ext: (data offset, size)}, label).
+ShardIndex = list[tuple[str, dict[str, tuple[int, int]], int]]
 
 
-def _split(name: str) -> tuple[str, str]:
+def split_member_name(name: str) -> tuple[str, str]:
+    """`dir/key.ext.more` -> ("dir/key", "ext.more"), extension lower-cased."""
     folder, base = os.path.split(name)
     key, _, ext = base.partition(".")
     return os.path.join(folder, key), ext.lower()
 
 
-def scan_shard(path: Path) -> list[tuple[str, dict[str, tuple[int, int]]]]:
-    """Samples of one shard in tar order: (key, {ext: (data offset, size)})."""
-    samples: dict[str, dict[str, tuple[int, int]]] = {}
-    size = path.stat().st_size
+def _parse_label(tar: tarfile.TarFile, shard: Path, key: str, members: dict[str, tarfile.TarInfo]) -> int:
+    for ext in LABEL_EXTS + OPTIONAL_LABEL_EXTS:
+        member = members.get(ext)
+        if member is None or (ext in OPTIONAL_LABEL_EXTS and member.size > _MAX_LABEL_BYTES):
+            continue
+        f = tar.extractfile(member)
+        raw = f.read() if f is not None else b""
+        try:
+            return int(raw.decode().strip())
+        except (UnicodeDecodeError, ValueError):
+            if ext in LABEL_EXTS:
+                raise DatasetError(
+                    f"tar shard {shard}: member {key}.{ext} holds {raw[:20]!r}, not an integer label"
+                ) from None
+    return -1
+
+
+def scan_shard(shard: Path) -> ShardIndex:
+    """Read the tar headers (and label members) of one shard; errors name shard and member."""
+    size = shard.stat().st_size
+    grouped: dict[str, dict[str, tarfile.TarInfo]] = {}
+    last = None
     try:
-        with tarfile.open(path, "r:") as tar:
+        with tarfile.open(shard, "r:") as tar:
             for member in tar:
+                last = member.name
                 if not member.isfile():
                     continue
                 if member.offset_data + member.size > size:
-                    raise DatasetError(f"tar shard {path}: member {member.name} is truncated")
-                key, ext = _split(member.name)
-                samples.setdefault(key, {})[ext] = (member.offset_data, member.size)
+                    raise DatasetError(
+                        f"tar shard {shard} is truncated: member {member.name} needs bytes up to "
+                        f"{member.offset_data + member.size}, the file has {size}"
+                    )
+                key, ext = split_member_name(member.name)
+                grouped.setdefault(key, {})[ext] = member
+            return [
+                (key, {ext: (m.offset_data, m.size) for ext, m in members.items()}, _parse_label(tar, shard, key, members))
+                for key, members in grouped.items()
+            ]
     except (tarfile.TarError, EOFError, OSError) as exc:
-        raise DatasetError(f"tar shard {path} is corrupt or truncated: {exc}") from exc
-    return list(samples.items())
+        after = f" after member {last}" if last else ""
+        raise DatasetError(f"tar shard {shard} is corrupt or truncated{after}: {exc}") from exc
 
 
-def _index_path(shard: Path, cache_dir: str | None) -> Path:
+def index_locations(shard: Path, cache_dir: str | os.PathLike | None) -> tuple[list[Path], Path]:
+    """Where the shard's index may be read from, in order, and where it is written."""
     beside = shard.with_name(shard.name + ".idx.json")
-    if cache_dir is None and os.access(shard.parent, os.W_OK):
-        return beside
-    base = Path(cache_dir or Path.home() / ".cache" / "croupier" / "tar-index")
+    base = Path(cache_dir) if cache_dir is not None else Path.home() / ".cache" / "croupier" / "tar-index"
     digest = hashlib.sha1(str(shard.resolve()).encode()).hexdigest()[:16]
-    return base / f"{shard.name}.{digest}.idx.json"
+    cached = base / f"{shard.name}.{digest}.idx.json"
+    if cache_dir is not None or not os.access(shard.parent, os.W_OK):
+        return [beside, cached], cached
+    return [beside, cached], beside
 
 
-def load_index(shard: Path, cache_dir: str | None = None) -> list[tuple[str, dict[str, tuple[int, int]]]]:
-    """The shard's offset index, from the cache when it still matches the shard."""
+def _read_index(path: Path, stamp: dict[str, int]) -> ShardIndex | None:
+    try:
+        cached = json.loads(path.read_text())
+        if cached.get("stamp") != stamp:
+            return None
+        return [(k, {e: (o, s) for e, (o, s) in m.items()}, int(label)) for k, m, label in cached["samples"]]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None  # missing, stale or unreadable: rescan
+
+
+def _write_index(path: Path, stamp: dict[str, int], samples: ShardIndex) -> None:
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(json.dumps({"stamp": stamp, "samples": samples}))
+        tmp.replace(path)
+    except OSError:
+        tmp.unlink(missing_ok=True)  # an unwritable cache only costs a rescan next time
+
+
+def load_index(shard: Path, cache_dir: str | os.PathLike | None = None) -> ShardIndex:
+    """The shard's offset index, from a cache file that still matches the shard, else scanned."""
     st = shard.stat()
     stamp = {"version": INDEX_VERSION, "size": st.st_size, "mtime_ns": st.st_mtime_ns}
-    idx_path = _index_path(shard, cache_dir)
-    try:
-        cached = json.loads(idx_path.read_text())
-        if cached.get("stamp") == stamp:
-            return [(k, {e: tuple(v) for e, v in m.items()}) for k, m in cached["samples"]]
-    except (OSError, ValueError, KeyError, TypeError):
-        pass
+    candidates, target = index_locations(shard, cache_dir)
+    for path in candidates:
+        samples = _read_index(path, stamp)
+        if samples is not None:
+            return samples
     samples = scan_shard(shard)
-    try:
-        idx_path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = idx_path.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"stamp": stamp, "samples": samples}))
-        tmp.replace(idx_path)
-    except OSError:
-        pass  # a read-only cache only costs a rescan next time
+    _write_index(target, stamp, samples)
     return samples
+
+
+def _shards(path: Path) -> list[Path]:
+    if path.is_dir():
+        shards = sorted(f for f in path.iterdir() if f.suffix.lower() == ".tar" and f.is_file())
+        if not shards:
+            raise DatasetError(f"WebDataset {path}: the folder holds no .tar shards")
+        return shards
+    if not path.is_file():
+        raise DatasetError(f"WebDataset {path} does not exist")
+    return [path]
 
 
 class WebDatasetReader(Reader):
     format = "webdataset"
 
-    def __init__(self, name: str, path: str, cache_dir: str | None = None):
+    def __init__(self, name: str, path: str, cache_dir: str | os.PathLike | None = None):
         super().__init__(name, path)
-        p = Path(path)
-        shards = sorted(p.glob("*.tar")) if p.is_dir() else [p]
-        if not shards or not all(s.is_file() for s in shards):
-            raise DatasetError(f"WebDataset {path}: no .tar shards found")
-        self.shards = shards
-        # Per sample: (shard number, key, image ext, (offset, size), label)
-        self.samples: list[tuple[int, str, str, tuple[int, int], int]] = []
-        for sno, shard in enumerate(shards):
-            for key, members in load_index(shard, cache_dir):
-                image_ext = next((e for e in IMAGE_EXTS if e in members), None)
-                if image_ext is None:
-                    continue
-                label = -1
-                for ext in LABEL_EXTENSIONS:
-                    if ext in members:
-                        label = self._read_label(shard, key, ext, members[ext])
-                        break
-                self.samples.append((sno, key, image_ext, members[image_ext], label))
+        self.shards = _shards(Path(path))
+        # Per sample: (shard number, member name, data offset, size, label)
+        self.samples: list[tuple[int, str, int, int, int]] = []
+        for sno, shard in enumerate(self.shards):
+            for key, members, label in load_index(shard, cache_dir):
+                ext = next((e for e in IMAGE_EXTS if e in members), None)
+                if ext is not None:
+                    self.samples.append((sno, f"{key}.{ext}", *members[ext], label))
         if not self.samples:
-            raise DatasetError(f"WebDataset {path}: no samples with an image member")
-
-    @staticmethod
-    def _read_label(shard: Path, key: str, ext: str, where: tuple[int, int]) -> int:
-        with open(shard, "rb") as f:
-            f.seek(where[0])
-            raw = f.read(where[1])
-        try:
-            return int(raw.decode().strip())
-        except ValueError:
-            raise DatasetError(f"tar shard {shard}: {key}.{ext} holds {raw[:20]!r}, not an integer label") from None
+            raise DatasetError(f"WebDataset {path}: no sample has an image member ({', '.join(IMAGE_EXTS)})")
+        classes_file = self.shards[0].parent / CLASSES_FILE
+        self.classes: tuple[str, ...] = ()
+        if classes_file.is_file():
+            self.classes = tuple(line.strip() for line in classes_file.read_text().splitlines() if line.strip())
 
     def __len__(self) -> int:
         return len(self.samples)
 
     def info(self) -> DatasetInfo:
-        return DatasetInfo(name=self.name, num_rows=len(self), kind="image", format=self.format, path=self.path)
+        return DatasetInfo(
+            name=self.name, num_rows=len(self), kind="image", format=self.format, path=self.path, classes=self.classes
+        )
 
-    async def read(self, index: int) -> tuple[int, bytes, int, str, str]:
+    async def read(self, index: int) -> ImageItem:
         self.check_index(index)
-        sno, key, ext, (offset, size), label = self.samples[index]
-        shard = self.shards[sno]
-        where = f"{shard.name}:{key}.{ext}"
-        try:
-            async with aiofiles.open(shard, "rb") as f:
-                await f.seek(offset)
-                data = await f.read(size)
-        except OSError as exc:
-            raise SampleError(f"sample {index} ({where}): cannot read: {exc}", index=index, path=str(shard)) from exc
-        if len(data) != size:
-            raise SampleError(f"sample {index} ({where}): shard is truncated", index=index, path=str(shard))
-        return index, data, label, checked_format(data, index, where), f"{key}.{ext}"
+        sno, member, offset, size, label = self.samples[index]
+        shard = str(self.shards[sno])
+        where = f"{shard}:{member}"
+        data = await read_bytes(shard, index, where, self.executor, offset, size)
+        return ImageItem(index, data, label, checked_format(data, index, where, shard), member, where)
 
-    def encode(self, items: Sequence, columns: Sequence[str] = (), decode_images: bool = False) -> ImagePayload:
+    def encode(self, items: Sequence[ImageItem], columns: Sequence[str] = (), decode_images: bool = False) -> ImagePayload:
         return image_payload(items, decode_images)
