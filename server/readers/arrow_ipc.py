@@ -72,6 +72,10 @@ class TableReader(Reader):
     def info(self) -> DatasetInfo:
         return table_info(self, self.table.schema)
 
+    def read_now(self, index: int) -> int:
+        self.check_index(index)
+        return index
+
     async def read(self, index: int) -> int:
         self.check_index(index)
         return index

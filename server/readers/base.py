@@ -18,7 +18,7 @@ from __future__ import annotations
 import abc
 import asyncio
 import concurrent.futures
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
@@ -137,6 +137,17 @@ class Reader(abc.ABC):
     @abc.abstractmethod
     def encode(self, items: Sequence[Any], columns: Sequence[str] = (), decode_images: bool = False) -> Payload:
         """Build one payload from completed items (blocking; runs in the executor)."""
+
+    def read_now(self, index: int) -> Any:
+        """The item of `index` without awaiting: only for readers whose read does no I/O."""
+        raise NotImplementedError(f"{type(self).__name__} reads do I/O: await read()")
+
+    def read_later(self, index: int) -> tuple[float, Callable[[int], Any]] | None:
+        """Optional fast path: (seconds to wait, fetch) for a read that is a pure wait
+        followed by a cheap synchronous fetch(index). The scheduler then uses a timer
+        callback instead of a task per sample. None (the default) means: await `read`.
+        """
+        return None
 
     def check_index(self, index: int) -> None:
         if not 0 <= index < len(self):

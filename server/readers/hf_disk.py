@@ -74,4 +74,5 @@ class HFDiskReader(TableReader):
         super().__init__(name, path, files)
         format_columns = state.get("_format_columns")
         if format_columns and not state.get("_output_all_columns", False):
-            self.table = self.table.select(format_columns)
+            # in the table's column order, as `datasets` returns them
+            self.table = self.table.select([c for c in self.table.column_names if c in format_columns])

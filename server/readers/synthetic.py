@@ -49,6 +49,10 @@ class SyntheticReader(Reader):
             arrow_schema=SCHEMA.serialize().to_pybytes(),
         )
 
+    def read_now(self, index: int) -> int:
+        self.check_index(index)
+        return index
+
     async def read(self, index: int) -> int:
         return index
 

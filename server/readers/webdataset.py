@@ -1,11 +1,14 @@
 """WebDataset tar shards with an offset index, for random access to any sample.
 
 Members `dir/key.ext` with the same key form one sample (key = the member path up to
-the first dot of its file name). The image is the member with the first extension of
-IMAGE_EXTS present; the label is the integer held by a `cls` or `label` member (or a
-`txt` member when it holds an integer; captions are not labels), -1 when none. Shards
-are the `.tar` files of a folder in sorted order, or one `.tar` file; class names, if
-any, come from `classes.txt` (one per line) beside the shards.
+the first dot of its file name). Extensions match ignoring case, by their last part
+when no exact one is present (`seg.png` is a png). The image is the member with the
+first extension of IMAGE_EXTS; the label is the integer held by a `cls` or `label`
+member (or by a `txt` member when it holds one: captions are not labels), -1 when
+none; a sample without an image is skipped. Shards are the `.tar` files of a folder in
+sorted order, or one `.tar` file; class names, if any, come from `classes.txt` (one
+per line) beside the shards. A shard must end with the tar end-of-archive blocks, so a
+cut at a member boundary is caught as truncation too.
 
 The offset index (per shard: samples in tar order as key, {ext: [data offset, size]},
 label) is built once by scanning the tar headers and cached as JSON, stamped with the
@@ -21,7 +24,7 @@ import hashlib
 import json
 import os
 import tarfile
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 from .base import DatasetError, DatasetInfo, ImagePayload, Reader
@@ -33,33 +36,62 @@ LABEL_EXTS = ("cls", "label")  # must hold an integer
 OPTIONAL_LABEL_EXTS = ("txt",)  # a label when it holds an integer
 CLASSES_FILE = "classes.txt"
 _MAX_LABEL_BYTES = 32
+_TAR_BLOCK = 512
+_MAX_TAIL = 1 << 20  # end-of-archive blocks plus padding to the record size
 
 #: One shard's samples in tar order: (key, {ext: (data offset, size)}, label).
 ShardIndex = list[tuple[str, dict[str, tuple[int, int]], int]]
 
 
 def split_member_name(name: str) -> tuple[str, str]:
-    """`dir/key.ext.more` -> ("dir/key", "ext.more"), extension lower-cased."""
+    """`dir/key.ext.more` -> ("dir/key", "ext.more")."""
     folder, base = os.path.split(name)
     key, _, ext = base.partition(".")
-    return os.path.join(folder, key), ext.lower()
+    return os.path.join(folder, key), ext
+
+
+def pick_extension(exts: Iterable[str], wanted: Sequence[str]) -> str | None:
+    """The extension of the member to use: the first of `wanted` present, else the first
+    whose last part is wanted (`seg.png` counts as png), ignoring case."""
+    exts = list(exts)
+    lowered = {e.lower(): e for e in reversed(exts)}
+    for w in wanted:
+        if w in lowered:
+            return lowered[w]
+    return next((e for e in exts if e.rpartition(".")[2].lower() in wanted), None)
 
 
 def _parse_label(tar: tarfile.TarFile, shard: Path, key: str, members: dict[str, tarfile.TarInfo]) -> int:
-    for ext in LABEL_EXTS + OPTIONAL_LABEL_EXTS:
-        member = members.get(ext)
-        if member is None or (ext in OPTIONAL_LABEL_EXTS and member.size > _MAX_LABEL_BYTES):
+    for wanted, required in ((LABEL_EXTS, True), (OPTIONAL_LABEL_EXTS, False)):
+        ext = pick_extension(members, wanted)
+        if ext is None or (not required and members[ext].size > _MAX_LABEL_BYTES):
             continue
-        f = tar.extractfile(member)
+        f = tar.extractfile(members[ext])
         raw = f.read() if f is not None else b""
         try:
             return int(raw.decode().strip())
         except (UnicodeDecodeError, ValueError):
-            if ext in LABEL_EXTS:
+            if required:
                 raise DatasetError(
                     f"tar shard {shard}: member {key}.{ext} holds {raw[:20]!r}, not an integer label"
                 ) from None
     return -1
+
+
+def _check_end_of_archive(shard: Path, offset: int, size: int, last: str | None) -> None:
+    """tarfile stops quietly at a cut or garbled header; a whole shard ends in zero blocks."""
+    tail_len = size - offset
+    tail = b""
+    if _TAR_BLOCK <= tail_len <= _MAX_TAIL:
+        with open(shard, "rb") as f:
+            f.seek(offset)
+            tail = f.read(tail_len)
+    if not tail or tail.strip(b"\0"):
+        after = f"after member {last}" if last else "at its start"
+        raise DatasetError(
+            f"tar shard {shard} is truncated or corrupt {after}: expected the end-of-archive zero blocks at byte "
+            f"{offset} of {size}"
+        )
 
 
 def scan_shard(shard: Path) -> ShardIndex:
@@ -70,16 +102,16 @@ def scan_shard(shard: Path) -> ShardIndex:
     try:
         with tarfile.open(shard, "r:") as tar:
             for member in tar:
-                last = member.name
-                if not member.isfile():
-                    continue
                 if member.offset_data + member.size > size:
                     raise DatasetError(
                         f"tar shard {shard} is truncated: member {member.name} needs bytes up to "
                         f"{member.offset_data + member.size}, the file has {size}"
                     )
-                key, ext = split_member_name(member.name)
-                grouped.setdefault(key, {})[ext] = member
+                last = member.name
+                if member.isfile():
+                    key, ext = split_member_name(member.name)
+                    grouped.setdefault(key, {})[ext] = member
+            _check_end_of_archive(shard, tar.offset, size, last)
             return [
                 (key, {ext: (m.offset_data, m.size) for ext, m in members.items()}, _parse_label(tar, shard, key, members))
                 for key, members in grouped.items()
@@ -155,7 +187,7 @@ class WebDatasetReader(Reader):
         self.samples: list[tuple[int, str, int, int, int]] = []
         for sno, shard in enumerate(self.shards):
             for key, members, label in load_index(shard, cache_dir):
-                ext = next((e for e in IMAGE_EXTS if e in members), None)
+                ext = pick_extension(members, IMAGE_EXTS)
                 if ext is not None:
                     self.samples.append((sno, f"{key}.{ext}", *members[ext], label))
         if not self.samples:
