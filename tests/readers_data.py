@@ -112,19 +112,24 @@ def write_webdataset(
 
     Sample i has key sample{i:06d}, label i % num_classes and image expected_pixel(i).
     """
-    folder.mkdir(parents=True, exist_ok=True)
     out = []
     for s in range(0, n, shard_size):
-        with tarfile.open(folder / f"shard-{s // shard_size:04d}.tar", "w") as tar:
-            for i in range(s, min(s + shard_size, n)):
-                key = f"sample{i:06d}"
-                for ext, payload in (("png", png_bytes(i)), ("cls", str(i % num_classes).encode())):
-                    add_tar_member(tar, f"{key}.{ext}", payload)
-                out.append((key, i % num_classes))
+        members = {}
+        for i in range(s, min(s + shard_size, n)):
+            key = f"sample{i:06d}"
+            members[f"{key}.png"] = png_bytes(i)
+            members[f"{key}.cls"] = str(i % num_classes).encode()
+            out.append((key, i % num_classes))
+        write_tar(folder / f"shard-{s // shard_size:04d}.tar", members)
     return out
 
 
-def add_tar_member(tar: tarfile.TarFile, name: str, payload: bytes) -> None:
-    info = tarfile.TarInfo(name)
-    info.size = len(payload)
-    tar.addfile(info, io.BytesIO(payload))
+def write_tar(path: Path, members: dict[str, bytes]) -> Path:
+    """A tar file of `members` (name -> bytes) in that order."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tarfile.open(path, "w") as tar:
+        for name, payload in members.items():
+            info = tarfile.TarInfo(name)
+            info.size = len(payload)
+            tar.addfile(info, io.BytesIO(payload))
+    return path

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import tarfile
 from pathlib import Path
 
 import numpy as np
@@ -28,7 +27,6 @@ from croupier.server.readers.base import ImagePayload, TablePayload
 
 from readers_data import (
     COLUMNS,
-    add_tar_member,
     expected_pixel,
     expected_row,
     png_bytes,
@@ -37,6 +35,7 @@ from readers_data import (
     write_hf_dataset,
     write_imagefolder,
     write_parquet,
+    write_tar,
     write_webdataset,
 )
 
@@ -230,16 +229,16 @@ def test_webdataset_serves_keys_labels_and_images_across_shards(tmp_path: Path) 
 
 
 def test_webdataset_groups_members_by_key_and_reads_labels(tmp_path: Path) -> None:
-    (tmp_path / "wds").mkdir()
-    with tarfile.open(tmp_path / "wds" / "s.tar", "w") as tar:
-        add_tar_member(tar, "a/x.y.JPG", b"\xff\xd8\xff" + b"0" * 10)
-        add_tar_member(tar, "a/x.y.label", b" 4\n")
-        add_tar_member(tar, "b/x.png", png_bytes(1))
-        add_tar_member(tar, "b/x.txt", b"a caption, not a label")
-        add_tar_member(tar, "c.json", b"{}")  # no image: not a sample
-        add_tar_member(tar, "d.webp", b"RIFF\0\0\0\0WEBPVP8 ")
-        add_tar_member(tar, "d.txt", b"7")
-    reader = open_dataset(tmp_path / "wds" / "s.tar")
+    members = {
+        "a/x.y.JPG": b"\xff\xd8\xff" + b"0" * 10,
+        "a/x.y.label": b" 4\n",
+        "b/x.png": png_bytes(1),
+        "b/x.txt": b"a caption, not a label",
+        "c.json": b"{}",  # no image: not a sample
+        "d.webp": b"RIFF\0\0\0\0WEBPVP8 ",
+        "d.txt": b"7",
+    }
+    reader = open_dataset(write_tar(tmp_path / "wds" / "s.tar", members))
     payload = _read_all(reader, range(len(reader)))
     assert [(r.key, r.label, r.format) for r in payload.images] == [
         ("a/x.y.JPG", 4, "jpeg"),
@@ -249,10 +248,7 @@ def test_webdataset_groups_members_by_key_and_reads_labels(tmp_path: Path) -> No
 
 
 def test_webdataset_non_integer_cls_names_the_member(tmp_path: Path) -> None:
-    (tmp_path / "wds").mkdir()
-    with tarfile.open(tmp_path / "wds" / "s.tar", "w") as tar:
-        add_tar_member(tar, "k.png", png_bytes(0))
-        add_tar_member(tar, "k.cls", b"cat")
+    write_tar(tmp_path / "wds" / "s.tar", {"k.png": png_bytes(0), "k.cls": b"cat"})
     with pytest.raises(DatasetError, match=r"s\.tar: member k\.cls holds b'cat', not an integer label"):
         open_dataset(tmp_path / "wds")
 
@@ -348,10 +344,7 @@ def test_non_image_bytes_are_sample_errors_naming_file_and_index(tmp_path: Path)
         _read_all(reader, [3])
     assert info.value.index == 3 and info.value.path.endswith("dog/00001.png")
 
-    (tmp_path / "wds").mkdir()
-    with tarfile.open(tmp_path / "wds" / "s.tar", "w") as tar:
-        add_tar_member(tar, "k0.png", png_bytes(0))
-        add_tar_member(tar, "k1.png", b"PK\x03\x04 a zip file")
+    write_tar(tmp_path / "wds" / "s.tar", {"k0.png": png_bytes(0), "k1.png": b"PK\x03\x04 a zip file"})
     with pytest.raises(SampleError, match=r"sample 1 \(.*s\.tar:k1\.png\): not an image"):
         _read_all(open_dataset(tmp_path / "wds"), [1])
 

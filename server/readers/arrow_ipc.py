@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
-from .base import DatasetError, DatasetInfo, Reader, TablePayload
+from .base import DatasetError, DatasetInfo, IndexReader, TablePayload, data_files
 from .tables import select_columns, table_info, to_ipc_payload
 
 __all__ = ["ARROW_SUFFIXES", "ArrowIPCReader", "TableReader", "open_ipc_table", "select_columns", "to_ipc_payload"]
@@ -22,10 +22,6 @@ __all__ = ["ARROW_SUFFIXES", "ArrowIPCReader", "TableReader", "open_ipc_table", 
 #: ".arrows" is the registered suffix of the stream format.
 ARROW_SUFFIXES = (".arrow", ".arrows", ".feather", ".ipc")
 _FILE_MAGIC = b"ARROW1"
-
-
-def is_arrow_file(path: Path) -> bool:
-    return path.suffix.lower() in ARROW_SUFFIXES
 
 
 def open_ipc_table(path: Path) -> pa.Table:
@@ -46,10 +42,8 @@ def open_ipc_table(path: Path) -> pa.Table:
     return table
 
 
-class TableReader(Reader):
+class TableReader(IndexReader):
     """Random access into one Arrow table made of one or more memory-mapped IPC files."""
-
-    read_does_io = False
 
     def __init__(self, name: str, path: str, files: Sequence[Path]):
         super().__init__(name, path)
@@ -72,14 +66,6 @@ class TableReader(Reader):
     def info(self) -> DatasetInfo:
         return table_info(self, self.table.schema)
 
-    def read_now(self, index: int) -> int:
-        self.check_index(index)
-        return index
-
-    async def read(self, index: int) -> int:
-        self.check_index(index)
-        return index
-
     def encode(self, items: Sequence[int], columns: Sequence[str] = (), decode_images: bool = False) -> TablePayload:
         table = select_columns(self.table, columns, f"{self.format} dataset {self.name!r} ({self.path})")
         try:
@@ -96,11 +82,4 @@ class ArrowIPCReader(TableReader):
     format = "arrow"
 
     def __init__(self, name: str, path: str):
-        p = Path(path)
-        if p.is_dir():
-            files = sorted(f for f in p.iterdir() if is_arrow_file(f) and f.is_file())
-        elif p.is_file():
-            files = [p]
-        else:
-            raise DatasetError(f"Arrow dataset {path} does not exist")
-        super().__init__(name, path, files)
+        super().__init__(name, path, data_files(Path(path), ARROW_SUFFIXES, "Arrow dataset"))

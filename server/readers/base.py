@@ -20,6 +20,7 @@ import asyncio
 import concurrent.futures
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, ClassVar, Literal
 
 DatasetKind = Literal["table", "image"]
@@ -159,3 +160,30 @@ class Reader(abc.ABC):
 
     def close(self) -> None:
         """Release files and caches."""
+
+
+class IndexReader(Reader):
+    """A reader whose reads do no I/O: the item is the index, and `encode` does the work
+    (memory-mapped Arrow pages fault in there, in the executor)."""
+
+    read_does_io: ClassVar[bool] = False
+
+    def read_now(self, index: int) -> int:
+        self.check_index(index)
+        return index
+
+    async def read(self, index: int) -> int:
+        return self.read_now(index)
+
+
+def data_files(path: Path, suffixes: Sequence[str], what: str) -> list[Path]:
+    """The files of a dataset: `path` itself, or the files of folder `path` whose suffix
+    is one of `suffixes` (any case), sorted: global indices run through them in order."""
+    if path.is_dir():
+        files = sorted(f for f in path.iterdir() if f.suffix.lower() in suffixes and f.is_file())
+        if not files:
+            raise DatasetError(f"{what} {path}: the folder holds no {'/'.join(suffixes)} files")
+        return files
+    if not path.is_file():
+        raise DatasetError(f"{what} {path} does not exist")
+    return [path]

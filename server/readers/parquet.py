@@ -18,21 +18,10 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from .base import DatasetError, DatasetInfo, Reader, SampleError, TablePayload
+from .base import DatasetError, DatasetInfo, Reader, SampleError, TablePayload, data_files
 from .tables import select_columns, table_info, to_ipc_payload
 
 DEFAULT_CACHE_BYTES = 256 << 20
-
-
-def _parquet_files(path: Path) -> list[Path]:
-    if path.is_dir():
-        files = sorted(f for f in path.iterdir() if f.suffix.lower() == ".parquet" and f.is_file())
-        if not files:
-            raise DatasetError(f"Parquet dataset {path}: the folder holds no .parquet files")
-        return files
-    if not path.is_file():
-        raise DatasetError(f"Parquet dataset {path} does not exist")
-    return [path]
 
 
 class ParquetReader(Reader):
@@ -40,7 +29,7 @@ class ParquetReader(Reader):
 
     def __init__(self, name: str, path: str, cache_bytes: int = DEFAULT_CACHE_BYTES):
         super().__init__(name, path)
-        self.paths = _parquet_files(Path(path))
+        self.paths = data_files(Path(path), (".parquet",), "Parquet dataset")
         # Footers are parsed once; each decode reopens its file with them (cheap, and no
         # file object is shared between executor threads).
         self.metadata: list[pq.FileMetaData] = []

@@ -27,7 +27,7 @@ import tarfile
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
-from .base import DatasetError, DatasetInfo, ImagePayload, Reader
+from .base import DatasetError, DatasetInfo, ImagePayload, Reader, data_files
 from .images import ImageItem, checked_format, image_payload, read_bytes
 
 INDEX_VERSION = 2
@@ -166,23 +166,12 @@ def load_index(shard: Path, cache_dir: str | os.PathLike | None = None) -> Shard
     return samples
 
 
-def _shards(path: Path) -> list[Path]:
-    if path.is_dir():
-        shards = sorted(f for f in path.iterdir() if f.suffix.lower() == ".tar" and f.is_file())
-        if not shards:
-            raise DatasetError(f"WebDataset {path}: the folder holds no .tar shards")
-        return shards
-    if not path.is_file():
-        raise DatasetError(f"WebDataset {path} does not exist")
-    return [path]
-
-
 class WebDatasetReader(Reader):
     format = "webdataset"
 
     def __init__(self, name: str, path: str, cache_dir: str | os.PathLike | None = None):
         super().__init__(name, path)
-        self.shards = _shards(Path(path))
+        self.shards = data_files(Path(path), (".tar",), "WebDataset")
         # Per sample: (shard number, member name, data offset, size, label)
         self.samples: list[tuple[int, str, int, int, int]] = []
         for sno, shard in enumerate(self.shards):
