@@ -40,6 +40,9 @@ class ReadStats:
         if len(self._pending) >= 1 << 16:
             self._fold()
 
+    def reads_abandoned(self, count: int) -> None:
+        self.in_flight -= count
+
     def _fold(self) -> None:
         with self._lock:
             pending, self._pending = self._pending, []

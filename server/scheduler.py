@@ -21,7 +21,9 @@ Nothing here knows about gRPC: the service turns `Chunk`s into messages.
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
+import heapq
 import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
@@ -40,7 +42,7 @@ class FetchLimits:
     chunk_samples: int = 64
     chunk_bytes: int = 4 << 20
     flush_delay_s: float = 0.002
-    default_prefetch: int = 2
+    default_prefetch: int = 4
 
     def __post_init__(self) -> None:
         for name in ("max_reads_per_stream", "max_buffered_bytes", "chunk_samples", "chunk_bytes"):
@@ -74,12 +76,18 @@ class FetchObserver(Protocol):
 
     def read_finished(self, seconds: float, ok: bool) -> None: ...
 
+    def reads_abandoned(self, count: int) -> None:
+        """`count` started reads will never finish (their stream ended first)."""
+
 
 class _NoObserver:
     def read_started(self) -> None:
         pass
 
     def read_finished(self, seconds: float, ok: bool) -> None:
+        pass
+
+    def reads_abandoned(self, count: int) -> None:
         pass
 
 
@@ -100,6 +108,89 @@ class StreamRange:
         if not start_batch <= end <= plan.num_batches:
             raise PlanError(f"end_batch {end_batch} is outside {start_batch}..{plan.num_batches}")
         return cls(rank, start_batch, end)
+
+
+class ReadBudget:
+    """Reads in flight over all streams of a server: a counter with FIFO waiters.
+
+    asyncio.Semaphore would do, but its `acquire` costs several times more on a path
+    taken once per sample read.
+    """
+
+    def __init__(self, limit: int):
+        if limit < 1:
+            raise ValueError(f"a read budget needs at least 1 slot, got {limit}")
+        self.limit = limit
+        self.available = limit
+        self._waiters: collections.deque[asyncio.Future[None]] = collections.deque()
+
+    async def take(self) -> None:
+        if self.available > 0 and not self._waiters:
+            self.available -= 1
+            return
+        fut = asyncio.get_running_loop().create_future()
+        self._waiters.append(fut)
+        try:
+            await fut  # give() handed this waiter its slot
+        except asyncio.CancelledError:
+            if fut.done() and not fut.cancelled():
+                self.give()  # the slot arrived as we were cancelled: pass it on
+            raise
+
+    def give(self, count: int = 1) -> None:
+        for _ in range(count):
+            while self._waiters:
+                fut = self._waiters.popleft()
+                if not fut.done():
+                    fut.set_result(None)
+                    break
+            else:
+                self.available += 1
+
+
+class _TimerWheel:
+    """Many delayed callbacks on one loop timer: a heap instead of a timer per sample."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+        self.heap: list[tuple[float, int, Any, tuple]] = []
+        self.handle: asyncio.TimerHandle | None = None
+        self.armed_for = float("inf")
+        self.seq = 0
+
+    def __len__(self) -> int:
+        return len(self.heap)
+
+    def call_later(self, delay: float, fn: Any, *args: Any) -> None:
+        when = self.loop.time() + delay
+        self.seq += 1
+        heapq.heappush(self.heap, (when, self.seq, fn, args))
+        if when < self.armed_for:
+            self._arm(when)
+
+    def _arm(self, when: float) -> None:
+        if self.handle is not None:
+            self.handle.cancel()
+        self.armed_for = when
+        self.handle = self.loop.call_at(when, self._fire)
+
+    def _fire(self) -> None:
+        self.handle, self.armed_for = None, float("inf")
+        now = self.loop.time()
+        heap = self.heap
+        while heap and heap[0][0] <= now:
+            _, _, fn, args = heapq.heappop(heap)
+            fn(*args)
+        if heap:
+            self._arm(heap[0][0])
+
+    def cancel_all(self) -> int:
+        n = len(self.heap)
+        self.heap.clear()
+        if self.handle is not None:
+            self.handle.cancel()
+            self.handle, self.armed_for = None, float("inf")
+        return n
 
 
 def _item_nbytes(item: Any) -> int:
@@ -148,7 +239,7 @@ class Dealer:
         columns: Sequence[str] = (),
         decode_images: bool = False,
         limits: FetchLimits = FetchLimits(),
-        server_reads: asyncio.Semaphore | None = None,
+        server_reads: ReadBudget | None = None,
         executor: concurrent.futures.Executor | None = None,
         observer: FetchObserver | None = None,
     ):
@@ -202,8 +293,11 @@ class Dealer:
                 if not io:
                     item = await self.reader.read(index)
                 elif self.server_reads is not None:
-                    async with self.server_reads:
+                    await self.server_reads.take()
+                    try:
                         item = await self._timed_read(index)
+                    finally:
+                        self.server_reads.give()
                 else:
                     item = await self._timed_read(index)
                 pending.add(SampleRef(rb.batch, pos, index, pad), item, _item_nbytes(item), 0.0)
@@ -217,66 +311,97 @@ class Dealer:
 
     async def _unordered(self) -> AsyncIterator[Chunk]:
         limits = self.limits
-        ready: asyncio.Queue[tuple[SampleRef, Any, int, BaseException | None]] = asyncio.Queue()
-        stream_reads = asyncio.Semaphore(limits.max_reads_per_stream)
+        loop = asyncio.get_running_loop()
+        observer = self.observer
+        reader = self.reader
+        server_reads = self.server_reads
+        # Completed reads, in completion order: (ref, item, nbytes, error).
+        ready: collections.deque[tuple[SampleRef, Any, int, BaseException | None]] = collections.deque()
+        got_ready = asyncio.Event()
         # Per batch in the window only (entries are added on issue, dropped when done),
         # so a stream's memory does not grow with the epoch's length.
         unreceived: dict[int, int] = {}  # batch -> samples not yet in a chunk
         unsent: dict[int, int] = {}  # batch -> samples not yet handed to the consumer
-        window_moved = asyncio.Event()
-        state = {"oldest": self.span.start_batch, "buffered": 0}
+        moved = asyncio.Event()  # the window advanced, a read slot freed, or bytes were sent
+        state = {"oldest": self.span.start_batch, "buffered": 0, "in_flight": 0}
         reads: set[asyncio.Task[None]] = set()
+        timers = _TimerWheel(loop)
 
-        async def read_one(ref: SampleRef) -> None:
-            try:
-                item, err = await self._timed_read(ref.index), None
-            except Exception as exc:  # handed to the sender, which raises it
-                item, err = None, exc
+        def complete(ref: SampleRef, item: Any, err: BaseException | None, t0: float) -> None:
+            observer.read_finished(time.perf_counter() - t0, err is None)
+            state["in_flight"] -= 1
+            if server_reads is not None:
+                server_reads.give()
             nbytes = _item_nbytes(item)
             state["buffered"] += nbytes
-            ready.put_nowait((ref, item, nbytes, err))
+            ready.append((ref, item, nbytes, err))
+            got_ready.set()
+            moved.set()
 
-        def read_done(task: asyncio.Task[None]) -> None:
-            # A done callback, not a `finally`: a task cancelled before it ever ran
-            # must still give its slots back, above all the server-wide one.
-            reads.discard(task)
-            stream_reads.release()
-            if self.server_reads is not None:
-                self.server_reads.release()
+        def fetch_after_wait(ref: SampleRef, fetch: Any, t0: float) -> None:
+            try:
+                item, err = fetch(ref.index), None
+            except Exception as exc:  # handed to the sender, which raises it
+                item, err = None, exc
+            complete(ref, item, err, t0)
+
+        async def read_one(ref: SampleRef, t0: float) -> None:
+            try:
+                item, err = await reader.read(ref.index), None
+            except Exception as exc:  # handed to the sender, which raises it
+                item, err = None, exc
+            complete(ref, item, err, t0)
 
         async def issue() -> None:
             for rb in self.plan.rank_batches(self.span.rank, self.span.start_batch, self.span.end_batch):
                 while rb.batch > state["oldest"] + self.prefetch:
-                    window_moved.clear()
-                    await window_moved.wait()
+                    moved.clear()
+                    await moved.wait()
                 unreceived[rb.batch] = unsent[rb.batch] = len(rb.indices)
                 for pos, (index, pad) in enumerate(zip(rb.indices.tolist(), rb.padding.tolist())):
                     ref = SampleRef(rb.batch, pos, index, pad)
-                    while state["buffered"] > limits.max_buffered_bytes:
-                        window_moved.clear()
-                        await window_moved.wait()
-                    await stream_reads.acquire()
-                    if self.server_reads is not None:
-                        await self.server_reads.acquire()
-                    task = asyncio.create_task(read_one(ref))
-                    reads.add(task)
-                    task.add_done_callback(read_done)
+                    while state["buffered"] > limits.max_buffered_bytes or state["in_flight"] >= limits.max_reads_per_stream:
+                        moved.clear()
+                        await moved.wait()
+                    if server_reads is not None:
+                        await server_reads.take()
+                    state["in_flight"] += 1
+                    observer.read_started()
+                    t0 = time.perf_counter()
+                    later = reader.read_later(index)
+                    if later is not None:
+                        # A wait then a cheap fetch (injected latency over memory-mapped
+                        # data): a timer callback, no task, no coroutine per sample.
+                        delay, fetch = later
+                        timers.call_later(delay, fetch_after_wait, ref, fetch, t0)
+                    else:
+                        task = loop.create_task(read_one(ref, t0))
+                        reads.add(task)
+                        task.add_done_callback(reads.discard)
 
         issuer = asyncio.create_task(issue())
+        issuer.add_done_callback(lambda _: got_ready.set())  # wake the sender on an issuer error
         try:
             remaining = self.num_samples
             pending = _Pending()
             while remaining:
-                if pending.refs:
-                    timeout = pending.deadline - time.monotonic()
-                    try:
-                        entry = ready.get_nowait() if not ready.empty() else await asyncio.wait_for(ready.get(), max(timeout, 0))
-                    except TimeoutError:
-                        entry = None
-                else:
-                    entry = await self._next_or_issuer_error(ready, issuer)
-                if entry is not None:
-                    ref, item, nbytes, err = entry
+                if not ready:
+                    if issuer.done() and not issuer.cancelled() and issuer.exception() is not None:
+                        issuer.result()  # the plan or the reader failed while issuing
+                    got_ready.clear()
+                    # A timer, not wait_for: no task per wake-up on this hot path.
+                    flush_timer = (
+                        loop.call_at(loop.time() + max(pending.deadline - time.monotonic(), 0), got_ready.set)
+                        if pending.refs
+                        else None
+                    )
+                    await got_ready.wait()
+                    if flush_timer is not None:
+                        flush_timer.cancel()
+                    if not ready and not pending.refs:
+                        continue
+                while ready:
+                    ref, item, nbytes, err = ready.popleft()
                     if err is not None:
                         raise err
                     remaining -= 1
@@ -285,9 +410,11 @@ class Dealer:
                     if unreceived[ref.batch] == 0:
                         del unreceived[ref.batch]
                         pending.completed.append(ref.batch)
-                    if not pending.full(limits) and remaining and time.monotonic() < pending.deadline:
-                        continue
+                    if pending.full(limits):
+                        break
                 if not pending.refs:
+                    continue
+                if not pending.full(limits) and remaining and time.monotonic() < pending.deadline:
                     continue
                 chunk = await self._encode(pending)
                 sent_bytes = pending.nbytes
@@ -299,25 +426,17 @@ class Dealer:
                 while state["oldest"] < self.span.end_batch and unsent.get(state["oldest"]) == 0:
                     del unsent[state["oldest"]]
                     state["oldest"] += 1
-                window_moved.set()
+                moved.set()
         finally:
             issuer.cancel()
+            timers.cancel_all()
             for task in list(reads):
                 task.cancel()
             await asyncio.gather(issuer, *reads, return_exceptions=True)
-
-    @staticmethod
-    async def _next_or_issuer_error(ready: asyncio.Queue, issuer: asyncio.Task) -> Any:
-        """Wait for the next completed read, surfacing an exception from the issuer."""
-        if not ready.empty():
-            return ready.get_nowait()
-        if issuer.done():
-            issuer.result()  # raises the issuer's error, if it had one
-            return await ready.get()
-        getter = asyncio.ensure_future(ready.get())
-        done, _ = await asyncio.wait({getter, issuer}, return_when=asyncio.FIRST_COMPLETED)
-        if getter in done:
-            return getter.result()
-        getter.cancel()
-        issuer.result()  # raises the issuer's error
-        return await ready.get()
+            # Reads that never completed (timers that never fired, tasks cancelled
+            # before or during their read) give their slots back here.
+            abandoned = state["in_flight"]
+            if abandoned:
+                observer.reads_abandoned(abandoned)
+                if server_reads is not None:
+                    server_reads.give(abandoned)

@@ -22,7 +22,7 @@ from .convert import chunk_to_proto, dataset_info_to_proto, header_to_proto
 from .metrics import ServerMetrics
 from .planner import EpochPlan, PlanError
 from .readers.base import DatasetError, OutsideRootsError, SampleError
-from .scheduler import Dealer, FetchLimits, StreamRange
+from .scheduler import Dealer, FetchLimits, ReadBudget, StreamRange
 
 log = logging.getLogger("croupier.server")
 
@@ -56,7 +56,7 @@ class CroupierService(pb_grpc.CroupierServicer):
     ):
         self.catalog = catalog
         self.limits = limits
-        self.server_reads = asyncio.Semaphore(max_reads)
+        self.server_reads = ReadBudget(max_reads)
         self.executor = executor
         self.metrics = metrics
         self.active: set[asyncio.Task] = set()

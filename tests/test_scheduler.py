@@ -9,7 +9,7 @@ import pytest
 
 from croupier.server.planner import EpochPlan
 from croupier.server.readers.synthetic import SyntheticReader
-from croupier.server.scheduler import Dealer, FetchLimits, StreamRange
+from croupier.server.scheduler import Dealer, FetchLimits, ReadBudget, StreamRange
 
 
 class GatedReader(SyntheticReader):
@@ -88,7 +88,7 @@ def test_in_flight_reads_are_bounded_per_stream_and_per_server() -> None:
     assert reader.max_in_flight == 7
 
     async def two_streams_one_budget() -> None:
-        budget = asyncio.Semaphore(5)
+        budget = ReadBudget(5)
         shared = GatedReader(n, default=0.005)
         d = [Dealer(shared, plan, StreamRange.of(plan, 0), server_reads=budget) for _ in range(2)]
         await asyncio.gather(*(_collect(x) for x in d))
@@ -158,7 +158,7 @@ def test_cancelled_stream_returns_every_server_read_slot() -> None:
     plan = EpochPlan(n, seed=5, epoch=0, batch_size=100)
 
     async def scenario() -> None:
-        budget = asyncio.Semaphore(64)
+        budget = ReadBudget(64)
         reader = GatedReader(n, default=10.0)  # reads that never finish in time
         dealer = Dealer(reader, plan, StreamRange.of(plan, 0), server_reads=budget).__aiter__()
         task = asyncio.ensure_future(dealer.__anext__())
@@ -167,6 +167,6 @@ def test_cancelled_stream_returns_every_server_read_slot() -> None:
         with pytest.raises(asyncio.CancelledError):
             await task
         await dealer.aclose()
-        assert budget._value == 64
+        assert budget.available == 64
 
     asyncio.run(scenario())

@@ -15,7 +15,7 @@ import numpy as np
 import pyarrow as pa
 
 from .base import DatasetError, DatasetInfo, IndexReader, TablePayload, data_files
-from .tables import select_columns, table_info, to_ipc_payload
+from .tables import RowTaker, checked_columns, select_columns, table_info, to_ipc_payload
 
 __all__ = ["ARROW_SUFFIXES", "ArrowIPCReader", "TableReader", "open_ipc_table", "select_columns", "to_ipc_payload"]
 
@@ -43,9 +43,12 @@ def open_ipc_table(path: Path) -> pa.Table:
 
 
 class TableReader(IndexReader):
-    """Random access into one Arrow table made of one or more memory-mapped IPC files."""
+    """Random access into one Arrow table made of one or more memory-mapped IPC files.
 
-    def __init__(self, name: str, path: str, files: Sequence[Path]):
+    `columns`, when given, keeps only those columns (in the files' order).
+    """
+
+    def __init__(self, name: str, path: str, files: Sequence[Path], columns: Sequence[str] | None = None):
         super().__init__(name, path)
         if not files:
             raise DatasetError(f"{self.format} dataset {path}: no Arrow files found")
@@ -58,7 +61,13 @@ class TableReader(IndexReader):
                     f"unlike {files[0]}: {first.remove_metadata()}"
                 )
         self.files = list(files)
-        self.table = pa.concat_tables(tables) if len(tables) > 1 else tables[0]
+        table = pa.concat_tables(tables) if len(tables) > 1 else tables[0]
+        #: The whole dataset as one zero-copy table over the mapped files.
+        if columns:
+            checked_columns(table.column_names, columns, f"{self.format} dataset {path}")
+            table = table.select([c for c in table.column_names if c in columns])
+        self.table = table
+        self._rows = RowTaker(self.table)
 
     def __len__(self) -> int:
         return self.table.num_rows
@@ -67,15 +76,17 @@ class TableReader(IndexReader):
         return table_info(self, self.table.schema)
 
     def encode(self, items: Sequence[int], columns: Sequence[str] = (), decode_images: bool = False) -> TablePayload:
-        table = select_columns(self.table, columns, f"{self.format} dataset {self.name!r} ({self.path})")
+        what = f"{self.format} dataset {self.name!r} ({self.path})"
+        columns = checked_columns(self.table.column_names, columns, what) if columns else ()
         try:
-            rows = table.take(np.asarray(items, dtype=np.int64))
+            rows = self._rows.take(np.asarray(items, dtype=np.int64), columns)
         except (pa.ArrowInvalid, OSError) as exc:
-            raise DatasetError(f"{self.format} dataset {self.path}: cannot take rows {list(items)[:8]}: {exc}") from exc
+            raise DatasetError(f"{what}: cannot take rows {list(items)[:8]}: {exc}") from exc
         return to_ipc_payload(rows)
 
     def close(self) -> None:
         self.table = self.table.schema.empty_table()  # lets go of the mapped files
+        self._rows = RowTaker(self.table)
 
 
 class ArrowIPCReader(TableReader):

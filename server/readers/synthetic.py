@@ -54,7 +54,7 @@ class SyntheticReader(Reader):
         return index
 
     async def read(self, index: int) -> int:
-        return index
+        return self.read_now(index)
 
     def encode(self, items: Sequence[int], columns: Sequence[str] = (), decode_images: bool = False) -> TablePayload:
         idx = np.asarray(items, dtype=np.int64)
