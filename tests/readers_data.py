@@ -38,13 +38,16 @@ def expected_row(i: int) -> dict[str, Any]:
     return table_rows(1, start=i).to_pylist()[0]
 
 
-def write_arrow_file(path: Path, n: int, *, stream: bool = False, start: int = 0) -> pa.Table:
-    """An Arrow IPC file (file format, or stream format) of rows start..start+n-1, in 3 batches."""
+def write_arrow_file(
+    path: Path, n: int, *, stream: bool = False, start: int = 0, batch_rows: int | None = None
+) -> pa.Table:
+    """An Arrow IPC file (file format, or stream format) of rows start..start+n-1, in
+    record batches of `batch_rows` rows (default: 3 batches)."""
     table = table_rows(n, start)
     path.parent.mkdir(parents=True, exist_ok=True)
     opener = pa.ipc.new_stream if stream else pa.ipc.new_file
     with opener(str(path), table.schema) as w:
-        w.write_table(table, max_chunksize=max(1, -(-n // 3)))
+        w.write_table(table, max_chunksize=batch_rows or max(1, -(-n // 3)))
     return table
 
 

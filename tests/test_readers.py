@@ -106,6 +106,16 @@ def test_table_payload_is_one_record_batch_of_the_chosen_columns(tmp_path: Path,
         _read_all(reader, [60])
 
 
+@pytest.mark.parametrize("pick", ["one-batch", "sparse", "dense"])
+def test_rows_spread_over_many_record_batches_come_back_in_the_requested_order(tmp_path: Path, pick: str) -> None:
+    write_arrow_file(tmp_path / "t.arrow", 500, batch_rows=7)  # 72 record batches
+    reader = open_dataset(tmp_path / "t.arrow")
+    rng = np.random.default_rng(3)
+    indices = {"one-batch": [9, 7, 13, 9], "sparse": rng.integers(0, 500, 40), "dense": rng.integers(0, 500, 2000)}[pick]
+    got = _rows(_read_all(reader, indices, columns=("text", "id")))
+    assert got.to_pylist() == [{"text": expected_row(i)["text"], "id": int(i)} for i in indices]
+
+
 def test_arrow_reader_memory_maps_and_does_no_io_in_read(tmp_path: Path) -> None:
     path = tmp_path / "big.arrow"
     table = pa.table({"x": np.arange(500_000, dtype=np.int64)})

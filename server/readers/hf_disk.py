@@ -71,8 +71,7 @@ class HFDiskReader(TableReader):
         missing = [str(f) for f in files if not f.is_file()]
         if missing:
             raise DatasetError(f"{path}: data files listed in state.json are missing: {missing}")
-        super().__init__(name, path, files)
         format_columns = state.get("_format_columns")
-        if format_columns and not state.get("_output_all_columns", False):
-            # in the table's column order, as `datasets` returns them
-            self.table = self.table.select([c for c in self.table.column_names if c in format_columns])
+        if state.get("_output_all_columns", False):
+            format_columns = None
+        super().__init__(name, path, files, columns=format_columns)

@@ -19,7 +19,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from .base import DatasetError, DatasetInfo, Reader, SampleError, TablePayload, data_files
-from .tables import select_columns, table_info, to_ipc_payload
+from .tables import checked_columns, table_info, to_ipc_payload
 
 DEFAULT_CACHE_BYTES = 256 << 20
 
@@ -57,9 +57,9 @@ class ParquetReader(Reader):
         self.schema = schema
         self.num_rows = total
         self.cache_bytes = cache_bytes
-        self._cache: OrderedDict[int, pa.Table] = OrderedDict()
+        self._cache: OrderedDict[int, pa.RecordBatch] = OrderedDict()
         self._cached_bytes = 0
-        self._decoding: dict[int, asyncio.Future[pa.Table]] = {}
+        self._decoding: dict[int, asyncio.Future[pa.RecordBatch]] = {}
         #: Row groups decoded so far (a cache hit or a shared decode does not count).
         self.decodes = 0
 
@@ -69,31 +69,35 @@ class ParquetReader(Reader):
     def info(self) -> DatasetInfo:
         return table_info(self, self.schema)
 
-    def _decode(self, group: int) -> pa.Table:
+    def _decode(self, group: int) -> pa.RecordBatch:
         fno, g = self.groups[group]
         path = self.paths[fno]
         try:
             with pq.ParquetFile(str(path), metadata=self.metadata[fno]) as pf:
-                return pf.read_row_group(g)
+                table = pf.read_row_group(g)
         except (pa.ArrowInvalid, OSError) as exc:
             raise SampleError(f"{path}: row group {g} is unreadable: {exc}", path=str(path)) from exc
+        # One batch with the dataset's schema (files may differ in metadata only), so
+        # that encode joins a chunk's rows with one concat_batches.
+        batches = table.replace_schema_metadata(self.schema.metadata).combine_chunks().to_batches()
+        return batches[0] if batches else pa.RecordBatch.from_pylist([], schema=self.schema)
 
-    def _decoded(self, group: int, fut: asyncio.Future[pa.Table]) -> None:
+    def _decoded(self, group: int, fut: asyncio.Future[pa.RecordBatch]) -> None:
         del self._decoding[group]
         if fut.cancelled() or fut.exception() is not None:
             return
-        table = fut.result()
-        self._cache[group] = table
-        self._cached_bytes += table.nbytes
+        batch = fut.result()
+        self._cache[group] = batch
+        self._cached_bytes += batch.nbytes
         while self._cached_bytes > self.cache_bytes and len(self._cache) > 1:
             _, old = self._cache.popitem(last=False)
             self._cached_bytes -= old.nbytes
 
-    async def _row_group(self, group: int) -> pa.Table:
-        table = self._cache.get(group)
-        if table is not None:
+    async def _row_group(self, group: int) -> pa.RecordBatch:
+        batch = self._cache.get(group)
+        if batch is not None:
             self._cache.move_to_end(group)
-            return table
+            return batch
         fut = self._decoding.get(group)
         if fut is None:
             self.decodes += 1
@@ -103,21 +107,21 @@ class ParquetReader(Reader):
         # shield: a reader cancelled while waiting must not cancel the others' decode.
         return await asyncio.shield(fut)
 
-    async def read(self, index: int) -> pa.Table:
+    async def read(self, index: int) -> pa.RecordBatch:
         self.check_index(index)
         group = bisect.bisect_right(self.starts, index) - 1
         try:
-            table = await self._row_group(group)
+            batch = await self._row_group(group)
         except SampleError as exc:
             raise SampleError(f"parquet dataset {self.name!r}, row {index}: {exc}", index=index, path=exc.path) from None
-        return table.slice(index - self.starts[group], 1)
+        return batch.slice(index - self.starts[group], 1)
 
-    def encode(self, items: Sequence[pa.Table], columns: Sequence[str] = (), decode_images: bool = False) -> TablePayload:
-        if len(items) == 1:
-            table = items[0]
-        else:
-            table = pa.concat_tables(items) if items else self.schema.empty_table()
-        return to_ipc_payload(select_columns(table, columns, f"parquet dataset {self.name!r} ({self.path})"))
+    def encode(
+        self, items: Sequence[pa.RecordBatch], columns: Sequence[str] = (), decode_images: bool = False
+    ) -> TablePayload:
+        columns = checked_columns(self.schema.names, columns, f"parquet dataset {self.name!r} ({self.path})")
+        rows = pa.concat_batches(items) if items else pa.RecordBatch.from_pylist([], schema=self.schema)
+        return to_ipc_payload(rows.select(columns))
 
     def close(self) -> None:
         self._cache.clear()
