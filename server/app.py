@@ -70,6 +70,8 @@ async def start(config: ServerConfig) -> RunningServer:
     """Open the datasets and start serving; returns once the port is bound."""
     executor = concurrent.futures.ThreadPoolExecutor(config.workers, thread_name_prefix="croupier-io")
     loop = asyncio.get_running_loop()
+    # aiofiles runs file calls on the loop's default executor: make that the bounded pool.
+    loop.set_default_executor(executor)
     catalog = await loop.run_in_executor(executor, open_catalog, config, executor)
     metrics = ServerMetrics()
     service = CroupierService(
