@@ -263,10 +263,16 @@ def test_webdataset_non_integer_cls_names_the_member(tmp_path: Path) -> None:
         open_dataset(tmp_path / "wds")
 
 
-def test_webdataset_index_is_built_once_reused_and_invalidated(tmp_path: Path, monkeypatch) -> None:
-    scanned: list[str] = []
+@pytest.fixture
+def scanned(monkeypatch) -> list[str]:
+    """The names of the tar shards scanned (not found in an index cache) during the test."""
+    names: list[str] = []
     real_scan = webdataset_module.scan_shard
-    monkeypatch.setattr(webdataset_module, "scan_shard", lambda shard: scanned.append(shard.name) or real_scan(shard))
+    monkeypatch.setattr(webdataset_module, "scan_shard", lambda shard: names.append(shard.name) or real_scan(shard))
+    return names
+
+
+def test_webdataset_index_is_built_once_reused_and_invalidated(tmp_path: Path, scanned: list[str]) -> None:
     write_webdataset(tmp_path / "wds", 25, shard_size=10)
     assert len(open_dataset(tmp_path / "wds")) == 25
     assert scanned == ["shard-0000.tar", "shard-0001.tar", "shard-0002.tar"]
@@ -288,6 +294,22 @@ def test_webdataset_index_goes_to_cache_dir_when_given(tmp_path: Path) -> None:
     reader = open_dataset(tmp_path / "wds", cache_dir=str(cache))
     assert list(cache.glob("shard-0000.tar.*.idx.json")) and not list((tmp_path / "wds").glob("*.idx.json"))
     assert len(reader) == 5
+
+
+def test_webdataset_index_beside_read_only_data_is_used_else_home_cache(
+    tmp_path: Path, monkeypatch, scanned: list[str]
+) -> None:
+    write_webdataset(tmp_path / "wds", 5)
+    open_dataset(tmp_path / "wds")  # ships shard-0000.tar.idx.json beside the shard
+    scanned.clear()
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.setattr(webdataset_module.os, "access", lambda path, mode: False)  # the data is read-only
+    assert len(open_dataset(tmp_path / "wds")) == 5 and scanned == []
+
+    (tmp_path / "wds" / "shard-0000.tar.idx.json").unlink()
+    assert len(open_dataset(tmp_path / "wds")) == 5 and scanned == ["shard-0000.tar"]
+    assert list((tmp_path / "home" / ".cache" / "croupier" / "tar-index").glob("shard-0000.tar.*.idx.json"))
+    assert not (tmp_path / "wds" / "shard-0000.tar.idx.json").exists()
 
 
 def _truncate(path: Path, keep: float) -> Path:
