@@ -1,8 +1,8 @@
 """Arrow IPC files (file or stream format) and folders of them, memory-mapped.
 
 Rows are never copied until a chunk is encoded: `read` does no I/O (it returns the
-index) and `encode` takes the chunk's rows in one `Table.take`, so the pages fault in
-there, in the executor, off the event loop. The files of a folder, in sorted order,
+index) and `encode` takes the chunk's rows batch-wise (tables.RowTaker), so the pages
+fault in there, in the executor, off the event loop. The files of a folder, in sorted order,
 form one table: global index i is row i of their concatenation.
 """
 
@@ -62,10 +62,10 @@ class TableReader(IndexReader):
                 )
         self.files = list(files)
         table = pa.concat_tables(tables) if len(tables) > 1 else tables[0]
-        #: The whole dataset as one zero-copy table over the mapped files.
         if columns:
             checked_columns(table.column_names, columns, f"{self.format} dataset {path}")
             table = table.select([c for c in table.column_names if c in columns])
+        #: The whole dataset as one zero-copy table over the mapped files.
         self.table = table
         self._rows = RowTaker(self.table)
 
