@@ -40,6 +40,10 @@ class PlanError(ValueError):
     """Options that no plan can satisfy (rank outside the world, batch size 0...)."""
 
 
+class BatchRangeError(PlanError):
+    """A start or end batch outside the epoch."""
+
+
 def _mix(x: np.ndarray) -> np.ndarray:
     # splitmix64's finaliser: a cheap, well-spread, fully portable round function.
     x = x ^ (x >> np.uint64(30))

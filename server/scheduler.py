@@ -29,7 +29,7 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Protocol
 
-from .planner import EpochPlan, PlanError
+from .planner import BatchRangeError, EpochPlan
 from .readers.base import Payload, Reader
 
 
@@ -104,9 +104,11 @@ class StreamRange:
         plan.check_rank(rank)
         end = plan.num_batches if end_batch == 0 else end_batch
         if not 0 <= start_batch <= plan.num_batches:
-            raise PlanError(f"start_batch {start_batch} is outside 0..{plan.num_batches} (batches in this epoch)")
+            raise BatchRangeError(
+                f"start_batch {start_batch} is outside 0..{plan.num_batches} (batches in this epoch)"
+            )
         if not start_batch <= end <= plan.num_batches:
-            raise PlanError(f"end_batch {end_batch} is outside {start_batch}..{plan.num_batches}")
+            raise BatchRangeError(f"end_batch {end_batch} is outside {start_batch}..{plan.num_batches}")
         return cls(rank, start_batch, end)
 
 

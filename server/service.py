@@ -20,8 +20,8 @@ from croupier.v1 import croupier_pb2_grpc as pb_grpc
 from .catalog import Catalog, UnknownDatasetError
 from .convert import chunk_to_proto, dataset_info_to_proto, header_to_proto
 from .metrics import ServerMetrics
-from .planner import EpochPlan, PlanError
-from .readers.base import DatasetError, OutsideRootsError, SampleError
+from .planner import BatchRangeError, EpochPlan, PlanError
+from .readers.base import DatasetError, OutsideRootsError, UnknownColumnError
 from .scheduler import Dealer, FetchLimits, ReadBudget, StreamRange
 
 log = logging.getLogger("croupier.server")
@@ -29,19 +29,30 @@ log = logging.getLogger("croupier.server")
 
 def status_for(exc: BaseException) -> grpc.StatusCode:
     """The gRPC status a failure maps to."""
-    if isinstance(exc, UnknownDatasetError):
-        return grpc.StatusCode.NOT_FOUND
-    if isinstance(exc, OutsideRootsError):
-        return grpc.StatusCode.PERMISSION_DENIED
-    if isinstance(exc, PlanError):
-        return grpc.StatusCode.OUT_OF_RANGE if "start_batch" in str(exc) or "end_batch" in str(exc) else grpc.StatusCode.INVALID_ARGUMENT
-    if isinstance(exc, SampleError):
-        return grpc.StatusCode.DATA_LOSS
-    if isinstance(exc, DatasetError):
-        return grpc.StatusCode.FAILED_PRECONDITION if "column" in str(exc) else grpc.StatusCode.DATA_LOSS
-    if isinstance(exc, FileNotFoundError):
-        return grpc.StatusCode.NOT_FOUND
+    for kind, code in (
+        (UnknownDatasetError, grpc.StatusCode.NOT_FOUND),
+        (OutsideRootsError, grpc.StatusCode.PERMISSION_DENIED),
+        (BatchRangeError, grpc.StatusCode.OUT_OF_RANGE),
+        (PlanError, grpc.StatusCode.INVALID_ARGUMENT),
+        (UnknownColumnError, grpc.StatusCode.INVALID_ARGUMENT),
+        (DatasetError, grpc.StatusCode.DATA_LOSS),  # corrupt or truncated files and samples
+        (FileNotFoundError, grpc.StatusCode.NOT_FOUND),
+    ):
+        if isinstance(exc, kind):
+            return code
     return grpc.StatusCode.INTERNAL
+
+
+def _check_columns(info, columns) -> None:
+    """Refuse unknown columns before the stream starts, not at its first chunk."""
+    if not columns:
+        return
+    if info.kind != "table":
+        raise UnknownColumnError(f"{info.kind} dataset {info.name!r} has no columns to select")
+    names = [c.name for c in info.columns]
+    missing = [c for c in columns if c not in names]
+    if missing:
+        raise UnknownColumnError(f"dataset {info.name!r} has no column {missing[0]!r}; columns: {names}")
 
 
 class CroupierService(pb_grpc.CroupierServicer):
@@ -102,6 +113,7 @@ class CroupierService(pb_grpc.CroupierServicer):
                     drop_last=opts.drop_last,
                 )
                 span = StreamRange.of(plan, opts.rank, opts.start_batch, opts.end_batch)
+                _check_columns(reader.info(), opts.columns)
                 dealer = Dealer(
                     reader,
                     plan,

@@ -102,6 +102,12 @@ def test_start_batch_past_the_epoch_is_out_of_range(server) -> None:
     assert "start_batch 6" in err.details()
 
 
+def test_unknown_column_is_invalid_and_lists_the_columns(server) -> None:
+    err = _stream_error(server.address, dataset="rows", batch_size=5, columns=("index", "nope"))
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "'nope'" in err.details() and "payload" in err.details()
+
+
 def test_path_outside_the_data_roots_is_denied(server, tmp_path: Path) -> None:
     outside = tmp_path / "elsewhere.arrow"
     outside.write_bytes(b"")
