@@ -13,7 +13,7 @@ import numpy as np
 import pyarrow as pa
 
 from .arrow_ipc import select_columns, to_ipc_payload
-from .base import ColumnInfo, DatasetError, DatasetInfo, Reader, TablePayload
+from .base import ColumnInfo, DatasetError, DatasetInfo, IndexReader, TablePayload
 
 SCHEMA = pa.schema([("index", pa.int64()), ("value", pa.float64()), ("payload", pa.binary())])
 
@@ -24,9 +24,8 @@ def synthetic_payload(indices: np.ndarray, row_bytes: int) -> list[bytes]:
     return [(int(i).to_bytes(8, "little") * reps)[:row_bytes] for i in indices]
 
 
-class SyntheticReader(Reader):
+class SyntheticReader(IndexReader):
     format = "synthetic"
-    read_does_io = False
 
     def __init__(self, name: str, num_rows: int, row_bytes: int = 64):
         super().__init__(name, f"synthetic://{num_rows}x{row_bytes}")
@@ -48,13 +47,6 @@ class SyntheticReader(Reader):
             columns=tuple(ColumnInfo(f.name, str(f.type)) for f in SCHEMA),
             arrow_schema=SCHEMA.serialize().to_pybytes(),
         )
-
-    def read_now(self, index: int) -> int:
-        self.check_index(index)
-        return index
-
-    async def read(self, index: int) -> int:
-        return self.read_now(index)
 
     def encode(self, items: Sequence[int], columns: Sequence[str] = (), decode_images: bool = False) -> TablePayload:
         idx = np.asarray(items, dtype=np.int64)
