@@ -1,0 +1,53 @@
+"""The CPU side of the ceiling: how fast one core turns stored samples into batch tensors.
+
+Measured in this process on page-cache data, with the work a trainer cannot avoid:
+for table rows, a random take of a batch from the memory-mapped files and its
+column-wise collation; for images, reading each file and decoding it to a uint8 tensor.
+The machine's decode ceiling is this rate times its cores.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import numpy as np
+
+
+def text_rate(path: Path, batch: int = 64, seconds: float = 1.5, max_batches: int = 2000) -> float:
+    import pyarrow as pa
+
+    from croupier.client.samples import collate_table
+    from croupier.server.readers import open_dataset
+
+    table = open_dataset(str(path)).table.combine_chunks()  # one chunk: take stays O(batch)
+    rng = np.random.default_rng(0)
+    n, t0 = 0, time.perf_counter()
+    for _ in range(max_batches):
+        rows = table.take(pa.array(rng.integers(0, table.num_rows, batch)))
+        collate_table(rows)
+        n += batch
+        if time.perf_counter() - t0 > seconds:
+            break
+    return n / (time.perf_counter() - t0)
+
+
+def image_rate(root: Path, seconds: float = 1.5, max_images: int = 20_000) -> float:
+    from .baselines import decode_jpeg, list_imagefolder
+
+    files, _ = list_imagefolder(root)
+    rng = np.random.default_rng(0)
+    n, t0 = 0, time.perf_counter()
+    for i in rng.integers(0, len(files), max_images).tolist():
+        with open(files[i], "rb") as f:
+            decode_jpeg(f.read())
+        n += 1
+        if time.perf_counter() - t0 > seconds:
+            break
+    return n / (time.perf_counter() - t0)
+
+
+def decode_rates(paths: dict[str, Path]) -> dict[str, float]:
+    """Samples/s on one core, per dataset (the tar shards hold the same JPEGs as the folder)."""
+    images = image_rate(paths["imagefolder"])
+    return {"text": text_rate(paths["text"]), "imagefolder": images, "shards": images}

@@ -1,0 +1,97 @@
+"""What /proc says about a process, and the page cache of files (Linux only).
+
+No psutil: CPU seconds, peak RSS and children are a few lines of /proc each.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+from pathlib import Path
+
+_TICK = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_seconds(pid: int | str = "self", children: bool = False) -> float:
+    """User + system CPU seconds of `pid` (plus its reaped children's with `children`)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    ticks = int(fields[11]) + int(fields[12])  # utime, stime
+    if children:
+        ticks += int(fields[13]) + int(fields[14])  # cutime, cstime
+    return ticks / _TICK
+
+
+def _status_kb(pid: int | str, key: str) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1])
+    return 0
+
+
+def peak_rss_mb(pid: int | str = "self") -> float:
+    """High-water mark of the resident set (VmHWM)."""
+    return _status_kb(pid, "VmHWM") / 1024
+
+
+def private_rss_mb(pid: int | str = "self") -> float:
+    """Anonymous resident memory now: what a forked worker does not share with its parent."""
+    return _status_kb(pid, "RssAnon") / 1024
+
+
+def child_pids(pid: int | str = "self") -> list[int]:
+    """Direct children of `pid`, over all its threads."""
+    out: list[int] = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            out += [int(c) for c in (task / "children").read_text().split()]
+        except OSError:
+            continue
+    return out
+
+
+def tree_private_rss_mb(pid: int | str = "self") -> float:
+    """RssAnon of a process's children (DataLoader workers), summed; 0 when it has none."""
+    total = 0.0
+    for child in child_pids(pid):
+        try:
+            total += private_rss_mb(child)
+        except OSError:
+            continue
+    return total
+
+
+def files_under(paths: Iterable[str | os.PathLike]) -> list[Path]:
+    files: list[Path] = []
+    for p in map(Path, paths):
+        files += [f for f in p.rglob("*") if f.is_file()] if p.is_dir() else [p]
+    return files
+
+
+def drop_from_page_cache(paths: Iterable[str | os.PathLike]) -> int:
+    """posix_fadvise(DONTNEED) every file under `paths`; returns bytes dropped.
+
+    Dirty pages cannot be dropped, so each file is fsynced first. Pages mapped by a
+    live process stay: drop before starting the server that maps them.
+    """
+    total = 0
+    for f in files_under(paths):
+        fd = os.open(f, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            total += os.fstat(fd).st_size
+        finally:
+            os.close(fd)
+    return total
+
+
+def load_into_page_cache(paths: Iterable[str | os.PathLike], block: int = 1 << 20) -> int:
+    """Read every file under `paths` once so that later reads hit the page cache."""
+    total = 0
+    for f in files_under(paths):
+        with open(f, "rb", buffering=0) as fh:
+            while chunk := fh.read(block):
+                total += len(chunk)
+    return total

@@ -1,0 +1,217 @@
+"""Turn a suite's measurements into the committed JSON and Markdown, and check the targets."""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Any
+
+DATASET_TITLES = {
+    "text": "text rows (Hugging Face save_to_disk, Arrow)",
+    "imagefolder": "images, ImageFolder (one JPEG file per sample)",
+    "shards": "images, WebDataset tar shards (same JPEGs)",
+}
+
+
+def derive(case: dict[str, Any], decode_rates: dict[str, float], cores: int) -> dict[str, Any]:
+    """Add the ceilings to one case's result: C/L with injected latency, and the decode rate."""
+    c = case["case"]
+    latency_ms = c["storage"]["latency_ms"]
+    mean_l = latency_ms / 1000 * math.exp(0.5**2 / 2)
+    io = case["reads_in_flight"] / mean_l if latency_ms else None
+    cpu = decode_rates.get(c["dataset"], math.inf) * cores
+    ceiling = min(io, cpu) if io is not None else cpu
+    return {**case, "ceiling_c_over_l": io, "ceiling_decode": cpu, "ceiling": ceiling,
+            "fraction_of_ceiling": case["samples_per_s"] / ceiling if ceiling else None}
+
+
+def _key(r: dict[str, Any]) -> tuple[str, str]:
+    return r["case"]["dataset"], r["case"]["storage"]["name"]
+
+
+def add_comparisons(results: list[dict[str, Any]]) -> None:
+    """Each result's throughput as a multiple of the best DataLoader (or WebDataset) at the same
+    dataset and storage."""
+    best: dict[tuple[str, str], float] = {}
+    for r in results:
+        if r["case"]["system"]["kind"] in ("dataloader", "webdataset"):
+            best[_key(r)] = max(best.get(_key(r), 0.0), r["samples_per_s"])
+    for r in results:
+        b = best.get(_key(r))
+        r["vs_best_baseline"] = r["samples_per_s"] / b if b else None
+
+
+def _find(results: list[dict[str, Any]], dataset: str, storage: str, label: str) -> dict[str, Any] | None:
+    for r in results:
+        if _key(r) == (dataset, storage) and r["case"]["system"]["label"] == label:
+            return r
+    return None
+
+
+def _best_dl(results: list[dict[str, Any]], dataset: str, storage: str) -> dict[str, Any] | None:
+    dls = [r for r in results if _key(r) == (dataset, storage) and r["case"]["system"]["kind"] == "dataloader"]
+    return max(dls, key=lambda r: r["samples_per_s"]) if dls else None
+
+
+def _target(name: str, measured: float | None, want: float, detail: str) -> dict[str, Any]:
+    return {"target": name, "measured": measured, "want": want,
+            "met": measured is not None and measured >= want, "detail": detail}
+
+
+def check_targets(kind: str, results: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    out: list[dict[str, Any]] = []
+    datasets = ("text",) if kind == "first" else ("text", "imagefolder")
+    latencies = ("5 ms lognormal",) if kind == "first" else ("5 ms lognormal", "20 ms lognormal")
+    for ds in datasets:
+        for st in latencies:
+            cr = _find(results, ds, st, "croupier unordered")
+            dl = _best_dl(results, ds, st)
+            if cr is None or dl is None:
+                continue
+            dl_name = dl["case"]["system"]["label"]
+            out.append(_target(f"{ds}, {st}: unordered >= 10x best DataLoader", cr["samples_per_s"] / dl["samples_per_s"],
+                               10.0, f"{cr['samples_per_s']:,.0f} vs {dl['samples_per_s']:,.0f} samples/s ({dl_name}); "
+                                     f"CPU s/1k {cr['cpu_s_per_1k']:.3f} vs {dl['cpu_s_per_1k']:.3f}"))
+            if kind == "first":
+                io = cr["ceiling_c_over_l"]
+                out.append(_target(f"{ds}, {st}: unordered >= 0.5 of C/L", cr["samples_per_s"] / io, 0.5,
+                                   f"{cr['samples_per_s']:,.0f} of C/L = {cr['reads_in_flight']} / "
+                                   f"{cr['case']['storage']['latency_ms'] * math.exp(0.125):.2f} ms = {io:,.0f}"))
+            else:
+                out.append(_target(f"{ds}, {st}: unordered >= 0.7 of ceiling", cr["fraction_of_ceiling"], 0.7,
+                                   f"{cr['samples_per_s']:,.0f} of min(C/L {cr['ceiling_c_over_l']:,.0f}, "
+                                   f"decode {cr['ceiling_decode']:,.0f}) samples/s"))
+        cr = _find(results, ds, "page cache", "croupier unordered")
+        dl = _best_dl(results, ds, "page cache")
+        if cr is not None and dl is not None:
+            out.append(_target(f"{ds}, page cache: unordered not slower than best DataLoader",
+                               cr["samples_per_s"] / dl["samples_per_s"], 1.0,
+                               f"{cr['samples_per_s']:,.0f} vs {dl['samples_per_s']:,.0f} samples/s "
+                               f"({dl['case']['system']['label']})"))
+    return out
+
+
+def _f(x: float | None, fmt: str = ",.0f") -> str:
+    return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, fmt)
+
+
+def results_table(results: list[dict[str, Any]], dataset: str) -> str:
+    head = ("| storage | system | shuffle | samples/s | MB/s | first batch s | batch p50 ms | batch p99 ms "
+            "| CPU s/1k samples (server) | peak RSS MB server / trainer (+workers) | C | C/L | decode ceiling "
+            "| of ceiling | vs best baseline |\n" + "|---" * 15 + "|")
+    lines = [head]
+    for r in results:
+        c = r["case"]
+        if c["dataset"] != dataset:
+            continue
+        if r.get("error"):
+            lines.append(f"| {c['storage']['name']} | {c['system']['label']} | {c['system']['shuffle']} | "
+                         f"failed: {r['error'][:80]} |" + " |" * 11)
+            continue
+        server_cpu = f" ({r['server_cpu_s_per_1k']:.3f})" if r["server_cpu_s_per_1k"] is not None else ""
+        server_rss = _f(r["server_peak_rss_mb"])
+        workers = f" (+{r['workers_private_rss_mb']:,.0f})" if r["workers_private_rss_mb"] else ""
+        lines.append(
+            f"| {c['storage']['name']} | {c['system']['label']} | {c['system']['shuffle']} "
+            f"| {_f(r['samples_per_s'])} | {_f(r['mb_per_s'], '.1f')} | {_f(r['first_batch_s'], '.2f')} "
+            f"| {_f(r['batch_p50_ms'], '.1f')} | {_f(r['batch_p99_ms'], '.1f')} "
+            f"| {r['cpu_s_per_1k']:.3f}{server_cpu} | {server_rss} / {r['trainer_peak_rss_mb']:,.0f}{workers} "
+            f"| {r['reads_in_flight']} | {_f(r['ceiling_c_over_l'])} | {_f(r['ceiling_decode'])} "
+            f"| {_f(100 * r['fraction_of_ceiling'] if r['fraction_of_ceiling'] else None, '.0f')}% "
+            f"| {_f(r['vs_best_baseline'], '.2f')}x |"
+        )
+    return "\n".join(lines)
+
+
+def targets_table(targets: list[dict[str, Any]]) -> str:
+    lines = ["| target | measured | met | detail |", "|---|---|---|---|"]
+    for t in targets:
+        lines.append(f"| {t['target']} | {_f(t['measured'], '.2f')} | {'yes' if t['met'] else '**no**'} | {t['detail']} |")
+    return "\n".join(lines)
+
+
+def curve_tables(curves: dict[str, Any]) -> list[str]:
+    out: list[str] = []
+    if curves.get("reads_in_flight"):
+        out += ["| reads in flight C | samples/s | C/L | of C/L | server CPU s/1k |", "|---|---|---|---|---|"]
+        out += [f"| {p['reads_in_flight']} | {p['samples_per_s']:,.0f} | {p['ceiling_c_over_l']:,.0f} "
+                f"| {100 * p['fraction']:.0f}% | {_f(p['server_cpu_s_per_1k'], '.3f')} |" for p in curves["reads_in_flight"]]
+        out.append("")
+    if curves.get("streams"):
+        out += ["| streams | samples/s | MB/s | streams/s | batch p50 ms | batch p99 ms | server CPU s/1k | errors |",
+                "|---|---|---|---|---|---|---|---|"]
+        out += [f"| {p['streams']} | {p['samples_per_s']:,.0f} | {p['mb_per_s']:.1f} | {p['streams_per_s']:.1f} "
+                f"| {_f(p['batch_p50_ms'], '.1f')} | {_f(p['batch_p99_ms'], '.1f')} | {p['server_cpu_s_per_1k']:.3f} "
+                f"| {p['errors']} |" for p in curves["streams"]]
+        out.append("")
+    if curves.get("planner"):
+        out += ["| rows | first batch ms | indices/s | plan peak MB | numpy permutation s | numpy peak MB |",
+                "|---|---|---|---|---|---|"]
+        out += [f"| {p['rows']:.0e} | {p['first_batch_ms']:.2f} | {p['indices_per_s']:,.0f} | {p['plan_peak_mb']:.2f} "
+                f"| {_f(p['numpy_permutation_s'], '.3f')} | {_f(p['numpy_peak_mb'], ',.0f')} |" for p in curves["planner"]]
+        out.append("")
+    return out
+
+
+def markdown(report: dict[str, Any], plots: list[str]) -> str:
+    m = report["machine"]
+    spec = report["data"]
+    lines = [
+        f"# croupier bench: suite `{report['suite']}`",
+        "",
+        f"Command: `{report['command']}`  ",
+        f"Run: {report['started']}, {report['wall_s'] / 60:.1f} min wall  ",
+        f"Machine: {m['cpu']}, {m['cores']} cores, {m['memory_gb']:.0f} GiB, {m['os']}; Python {m['python']}, "
+        f"torch {m['torch']}, grpcio {m['grpcio']}, pyarrow {m['pyarrow']}  ",
+        f"Load average (1 min) at start {report['load']['start'][0]:.2f}, at end {report['load']['end'][0]:.2f}: "
+        "the machine is shared, so other processes may have taken CPU during the run.",
+        "",
+        f"Data: {spec['text_rows']:,} text rows ({spec['text_words']} words, {spec['tokens']} int32 tokens each) "
+        f"written by `datasets` save_to_disk; {spec['images']:,} {spec['image_size']}x{spec['image_size']} RGB JPEGs "
+        f"as an ImageFolder tree and as tar shards of {spec['shard_size']:,}. Batch {report['batch']}, "
+        f"{report['world']} trainer ranks (one process each, run side by side), seed 0.",
+        "",
+        "Storage: *page cache*: files read once before the case; *N ms lognormal*: the same, plus a read latency "
+        "drawn per sample read from a lognormal with median N ms and sigma 0.5 (mean 1.133 N ms): `croupier serve "
+        "--latency-ms N` for croupier, a Dataset wrapper sleeping a draw of the same seeded distribution before each "
+        "`__getitem__` (or each WebDataset sample) for the others; *cold disk*: every file dropped from the page cache "
+        "(fsync + posix_fadvise DONTNEED) before the case.",
+        "",
+        "Figures: samples/s and MB/s are steady-state, at the trainer: each rank's batches after its first 10% "
+        "(at least one, which carry start-up and the batches read ahead meanwhile) over the time they took, "
+        "summed over ranks; MB are those of the collated batch (tensors and strings). First batch: from building the "
+        "loader (modules already imported) to the first batch. Batch p50/p99: intervals between batches at a rank. "
+        "CPU s/1k samples: all CPU of the trainer processes, their workers and the server, per 1,000 samples "
+        "(server alone in brackets). C: reads in flight over all ranks; C/L its ceiling with mean latency L; "
+        f"decode ceiling: one core's measured decode rate ({', '.join(f'{k} {v:,.0f}/s' for k, v in report['decode_rates'].items())}) "
+        f"times {m['cores']} cores; of ceiling: samples/s over min(C/L, decode ceiling). "
+        "Peak RSS: VmHWM of the server and of the largest trainer rank; workers: their private (anonymous) "
+        "memory at the end, summed.",
+        "",
+    ]
+    if report.get("targets"):
+        lines += ["## Targets", "", targets_table(report["targets"]), ""]
+    for ds in DATASET_TITLES:
+        if any(r["case"]["dataset"] == ds for r in report["cases"]):
+            lines += [f"## {DATASET_TITLES[ds]}", "", results_table(report["cases"], ds), ""]
+    if report.get("curves"):
+        lines += ["## Curves", ""]
+        c = report["curves"]
+        if c.get("reads_in_flight"):
+            lines.append(f"Throughput against reads in flight: croupier unordered, 1 rank, text, "
+                         f"{c['in_flight_latency_ms']:g} ms lognormal; `--max-reads-per-stream C`.\n")
+        if c.get("streams"):
+            lines.append(f"Throughput against concurrent streams: `croupier loadtest` with N workers on N "
+                         f"connections, rank i of N, 10 batches of 64 per stream, {c['streams_latency_ms']:g} ms "
+                         "lognormal, one server; the load generator is one Python process on the same machine.\n")
+        if c.get("planner"):
+            lines.append("Planner: `EpochPlan` time to the first batch of the last rank (world 8), indices/s "
+                         "dealing a million indices, and peak traced memory; numpy's `permutation` for comparison.\n")
+        lines += curve_tables(c)
+    if report.get("shuffle_quality"):
+        lines += ["## Shuffle quality", "", report["shuffle_quality"]["markdown"], ""]
+    if plots:
+        lines += ["## Plots", ""] + [f"![{p}]({os.path.basename(p)})" for p in plots] + [""]
+    if report.get("errors"):
+        lines += ["## Failures", ""] + [f"- {e}" for e in report["errors"]] + [""]
+    return "\n".join(lines)

@@ -1,0 +1,105 @@
+"""What each suite runs: data sizes, storage conditions, systems, and how long each case may take.
+
+* full: every system on every storage condition and dataset, plus the curves.
+* first: the data plane's first benchmark (text, 5 ms and page cache, batch 64, 2 ranks:
+  croupier unordered and ordered vs DataLoader + DistributedSampler with 2 workers).
+* quick: a one-minute smoke run on tiny data (used by the tests).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .cases import (
+    COLD_DISK,
+    CROUPIER,
+    CROUPIER_ORDERED,
+    HF_SHUFFLE,
+    PAGE_CACHE,
+    WEBDATASET,
+    Case,
+    Storage,
+    System,
+    dataloader,
+    latency,
+)
+from .datagen import DataSpec
+
+
+@dataclass(frozen=True)
+class Curves:
+    #: croupier unordered, 1 rank, at this latency, with these server reads-in-flight limits.
+    in_flight_latency_ms: float = 20.0
+    in_flight: tuple[int, ...] = (8, 32, 128, 512, 2048)
+    #: concurrent streams against one server (the load test), at this latency.
+    streams_latency_ms: float = 5.0
+    streams: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
+    streams_seconds: float = 3.0
+    #: planner time and memory for these dataset sizes (rows); numpy's permutation up to the limit.
+    planner_sizes: tuple[int, ...] = (10**3, 10**4, 10**5, 10**6, 10**7, 10**8, 10**9)
+    numpy_limit: int = 10**8
+    shuffle_rows: int = 100_000
+
+
+@dataclass(frozen=True)
+class Suite:
+    name: str
+    data: DataSpec
+    cases: tuple[Case, ...]
+    curves: Curves | None = None
+    shuffle_quality: bool = True
+    #: The targets to check, by name (see report.targets).
+    targets: tuple[str, ...] = ()
+    notes: tuple[str, ...] = field(default_factory=tuple)
+
+
+STORAGE = (PAGE_CACHE, latency(1), latency(5), latency(20), COLD_DISK)
+SYSTEMS: dict[str, tuple[System, ...]] = {
+    "text": (CROUPIER, CROUPIER_ORDERED, dataloader(0), dataloader(2), dataloader(8), HF_SHUFFLE),
+    "imagefolder": (CROUPIER, CROUPIER_ORDERED, dataloader(0), dataloader(2), dataloader(8)),
+    "shards": (CROUPIER, CROUPIER_ORDERED, WEBDATASET),
+}
+
+
+def _matrix(storage: tuple[Storage, ...], systems: dict[str, tuple[System, ...]], **kw) -> tuple[Case, ...]:
+    return tuple(Case(ds, st, sy, **kw) for ds, sys_ in systems.items() for st in storage for sy in sys_)
+
+
+def full() -> Suite:
+    return Suite(
+        name="full",
+        data=DataSpec(),
+        cases=_matrix(STORAGE, SYSTEMS, max_batches=150, max_seconds=3.0),
+        curves=Curves(),
+        targets=("full",),
+    )
+
+
+def first() -> Suite:
+    systems = {"text": (CROUPIER, CROUPIER_ORDERED, dataloader(2))}
+    return Suite(
+        name="first",
+        data=DataSpec(),
+        cases=_matrix((latency(5), PAGE_CACHE), systems, max_batches=300, max_seconds=5.0),
+        shuffle_quality=False,
+        targets=("first",),
+    )
+
+
+def quick() -> Suite:
+    cases = (
+        *_matrix((PAGE_CACHE,), {"text": (CROUPIER, dataloader(2))}, max_batches=20, max_seconds=1.0),
+        *_matrix((latency(5),), {"text": (CROUPIER, CROUPIER_ORDERED, dataloader(2)), "shards": (CROUPIER, WEBDATASET)},
+                 max_batches=20, max_seconds=1.0),
+    )
+    return Suite(
+        name="quick",
+        data=DataSpec(text_rows=4_000, images=600, shard_size=100),
+        cases=cases,
+        curves=Curves(in_flight=(64,), streams=(1, 4), streams_seconds=0.5,
+                      planner_sizes=(10**3, 10**6, 10**9), numpy_limit=10**6, shuffle_rows=10_000),
+        targets=("first",),
+    )
+
+
+SUITES = {"full": full, "first": first, "quick": quick}
