@@ -1,0 +1,193 @@
+"""`RotatedTensorParallel`: the one call that shards a model for rotated tensor parallelism."""
+
+from __future__ import annotations
+
+import itertools
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed import ProcessGroup
+from torch.optim import Optimizer
+
+from . import checkpoint
+from .hooks import average_replicated_grads, disable_nested_tensor_paths, install_rotation, warn_replicated
+from .memory import StateBytes, state_bytes
+from .planner import plan_model
+from .ring import Ring, RingBuffers
+from .shard import RotatingShard
+from .split import Split
+
+
+def _device_for(ring: Ring, module: nn.Module, device: torch.device | str | None) -> torch.device:
+    if device is not None:
+        return torch.device(device)
+    if ring.backend == "nccl":
+        local = int(os.environ.get("LOCAL_RANK", torch.cuda.current_device()))
+        torch.cuda.set_device(local)
+        return torch.device("cuda", local)
+    first = next(itertools.chain(module.parameters(), module.buffers()), None)
+    return first.device if first is not None else torch.device("cpu")
+
+
+class RotatedTensorParallel(nn.Module):
+    """Shards `module` across the ranks of `process_group` for rotated tensor parallelism.
+
+    Usage: ``model = RotatedTensorParallel(model)``, then train it with any elementwise
+    ``torch.optim`` optimizer over ``model.parameters()``, each rank feeding its own
+    micro-batch, as with DDP.
+
+    Sharding: every nn.Linear, nn.Embedding, nn.Conv2d, nn.LayerNorm and
+    nn.MultiheadAttention (by heads) keeps only its 1/N shard of each parameter on
+    each rank, as ordinary parameters under the original names. Sizes that do not
+    divide by N give uneven shards; spare rows rotate between ranks so the totals stay
+    balanced. Attention written with Linear projections is sharded as those Linears.
+    Any other module with parameters (and a subclass of the above, which may have its
+    own forward) stays replicated, with one ``ReplicatedLayerWarning`` naming them.
+
+    Forward: each layer call computes with the owned shard, while a copy travels to the
+    next rank and the following shard arrives (two buffers, double-buffered isend/irecv),
+    until all N shards have been used. Parameters never move, so eval, no_grad, or an
+    interrupted forward leaves every shard where it belongs.
+
+    Backward: the shards travel back around the ring carrying gradient accumulators;
+    each rank adds its micro-batch's contribution, and each accumulator ends at its
+    owner. Gradients are the MEAN over ranks (as DDP): with equal micro-batches and a
+    per-rank mean loss they equal a single process's gradients on the concatenated
+    batch with the mean loss. Replicated parameters' gradients are averaged the same way.
+
+    Memory per rank: 1/N of parameters, gradients and optimizer state, plus four
+    flat buffers sized for the largest layer shard (two weight shards in flight, and in
+    backward two gradient accumulators). Activations are as in data parallel; attention
+    recomputes its per-head activations in backward.
+
+    Requirements: every rank of the group runs the same layers in the same order for
+    every forward and backward (as FSDP). Parameters of sharded layers are local
+    shards: code outside the layer that reads them directly sees 1/N of a weight, and
+    optimizers that look across elements of a tensor (LBFGS, Adafactor, Shampoo) see
+    only the shard; use ``clip_grad_norm_`` below, not ``torch.nn.utils``'s.
+
+    Args:
+        module: the model; moved to ``device``.
+        process_group: the ranks to shard over (default: the whole world). Ring peers are
+            this group's members, so several independent groups can train side by side.
+        device: defaults to ``cuda:LOCAL_RANK`` with NCCL, else where the module is.
+        sync_module_states: start every rank from group rank 0's parameters and buffers.
+    """
+
+    def __init__(self, module: nn.Module, process_group: ProcessGroup | None = None, *,
+                 device: torch.device | str | None = None, sync_module_states: bool = True):
+        super().__init__()
+        ring = Ring(process_group)
+        module.to(_device_for(ring, module, device))
+        if sync_module_states and ring.size > 1:
+            with torch.no_grad():
+                for t in itertools.chain(module.parameters(), module.buffers()):
+                    ring.broadcast_(t.data)
+        plan = plan_model(module, ring.size)
+        self._ring = ring
+        self._ring_buffers = RingBuffers()
+        self._splits: dict[int, Split] = {}
+        self._shard_parameters(plan)
+        self.rotating_layers: list[RotatingShard] = [
+            RotatingShard(pl.name, pl.module, pl.rule, pl.plan, ring, self._ring_buffers) for pl in plan.layers]
+        for layer in self.rotating_layers:
+            install_rotation(layer)
+        self._replicated = [p for p in module.parameters() if id(p) not in self._splits]
+        self._grad_hooks = average_replicated_grads(self._replicated, ring)
+        disable_nested_tensor_paths(module)
+        self.module = module
+        warn_replicated(plan.replicated)
+
+    def _shard_parameters(self, plan: Any) -> None:
+        rank, done = self._ring.rank, {}
+        with torch.no_grad():
+            for layer in plan.layers:
+                for sp in layer.plan.params:
+                    full = getattr(sp.owner, sp.name)
+                    if id(full) in self._splits:  # a tied weight, already replaced everywhere
+                        continue
+                    local = nn.Parameter(sp.split.take(full.detach(), rank), requires_grad=full.requires_grad)
+                    for owner, name in plan.registrations[id(full)]:
+                        setattr(owner, name, local)
+                    done[id(full)] = (full, local)  # keeps `full` alive so its id is not reused
+                    self._splits[id(local)] = sp.split
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.module(*args, **kwargs)
+
+    @property
+    def process_group(self) -> ProcessGroup:
+        return self._ring.group
+
+    @property
+    def rank(self) -> int:
+        """This process's rank in the group, which is also the index of the shard it owns."""
+        return self._ring.rank
+
+    @property
+    def world_size(self) -> int:
+        return self._ring.size
+
+    def sharding(self) -> dict[str, Split | None]:
+        """How each parameter (by its original name) is split; None for replicated ones."""
+        return {name: self._splits.get(id(p)) for name, p in self.module.named_parameters(remove_duplicate=False)}
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The whole model's state_dict, keys and shapes as the original module (collective)."""
+        return checkpoint.full_state_dict(self)
+
+    def load_full_state_dict(self, state_dict: dict[str, torch.Tensor], strict: bool = True) -> None:
+        checkpoint.load_full_state_dict(self, state_dict, strict)
+
+    def sharded_state_dict(self, optimizer: Optimizer | None = None) -> dict[str, Any]:
+        """This rank's shards, optionally with the optimizer's (already sharded) state."""
+        return checkpoint.sharded_state_dict(self, optimizer)
+
+    def load_sharded_state_dict(self, state: dict[str, Any], optimizer: Optimizer | None = None) -> None:
+        checkpoint.load_sharded_state_dict(self, state, optimizer)
+
+    def save_sharded(self, directory: str | os.PathLike, optimizer: Optimizer | None = None) -> Path:
+        """Each rank writes ``rank{r}-of-{N}.pt`` under `directory` (collective: ends with a barrier)."""
+        return checkpoint.save_sharded(self, directory, optimizer)
+
+    def load_sharded(self, directory: str | os.PathLike, optimizer: Optimizer | None = None) -> None:
+        checkpoint.load_sharded(self, directory, optimizer)
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip by the norm of the whole model's gradient (collective); returns that norm."""
+        norm_type = float(norm_type)
+        grads = [p.grad for p in self.module.parameters() if p.grad is not None]
+        sharded = [id(p.grad) for p in self.module.parameters() if p.grad is not None and id(p) in self._splits]
+        device = next(self.module.parameters()).device
+        if not grads:
+            return torch.zeros((), device=device)
+        if math.isinf(norm_type):
+            local = torch.stack([g.abs().max() if g.numel() else g.new_zeros(()) for g in grads]).max().double()
+            torch.distributed.all_reduce(local, op=torch.distributed.ReduceOp.MAX, group=self._ring.group)
+            total = local
+        else:
+            # Shards partition a tensor, so their p-th powers add up; replicated grads are equal
+            # on every rank and must count once.
+            local = torch.zeros((), dtype=torch.float64, device=device)
+            for g in grads:
+                part = torch.linalg.vector_norm(g, norm_type).double() ** norm_type
+                local += part if id(g) in sharded else part / self._ring.size
+            self._ring.all_reduce_sum_(local)
+            total = local ** (1.0 / norm_type)
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        for g in grads:
+            g.mul_(coef.to(g.dtype))
+        return total.to(grads[0].dtype)
+
+    def state_bytes(self, optimizer: Optimizer | None = None) -> StateBytes:
+        """Bytes this rank holds for parameters, gradients, optimizer state and ring buffers."""
+        return state_bytes(self.module, optimizer, self._ring_buffers.nbytes())
+
+    def ring_buffer_capacity(self) -> int:
+        """Bytes of the four ring buffers once all are allocated (two weight shards, two accumulators)."""
+        return self._ring_buffers.capacity_bytes()

@@ -1,0 +1,66 @@
+"""nn.Embedding: split the embedding dimension, so every shard looks up its columns of every row.
+
+Column shards keep the lookup local (no masking of token ids by vocabulary range) and
+match a tied output head split by input features.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .rules import Combine, Concat, GradAdder, LayerPlan, ShardedParam, ShardRule, Unsupported
+from .split import Split, Splitter
+
+COLUMNS = 1
+
+
+class EmbeddingRule(ShardRule):
+    types = (nn.Embedding,)
+
+    def claimed(self, module: nn.Module) -> list[tuple[nn.Module, str]]:
+        return [(module, "weight")]
+
+    def split_dims(self, module: nn.Module, owner: nn.Module, name: str) -> tuple[int, ...]:
+        return (COLUMNS,)
+
+    def plan(self, module: nn.Module, splitter: Splitter, fixed: dict[tuple[int, str], Split]) -> LayerPlan:
+        if module.max_norm is not None:
+            raise Unsupported("max_norm renormalises whole rows, which no shard holds")
+        if module.sparse:
+            raise Unsupported("sparse gradients")
+        weight = fixed.get((id(module), "weight")) or splitter.even(tuple(module.weight.shape), COLUMNS)
+        if weight.dim != COLUMNS:
+            raise Unsupported("embedding weight tied to a row split")
+        return LayerPlan([ShardedParam(module, "weight", weight)])
+
+    def forward(self, layer: Any, indices: torch.Tensor) -> torch.Tensor:
+        return layer.apply(None, (indices,))
+
+    def combines(self, layer: Any, call: Any) -> list[Combine]:
+        return [Concat(-1, layer.plan.params[0].split)]
+
+    def forward_piece(self, layer: Any, call: Any, inputs: Sequence[torch.Tensor], w: list[torch.Tensor],
+                      s: int) -> tuple[torch.Tensor, ...]:
+        m = layer.module
+        return (F.embedding(inputs[0], w[0], m.padding_idx, None, 2.0, m.scale_grad_by_freq, False),)
+
+    def backward_piece(self, layer: Any, call: Any, inputs: Sequence[torch.Tensor], w: list[torch.Tensor],
+                       s: int, gy: torch.Tensor, dx: list[torch.Tensor | None], need_w: bool) -> GradAdder | None:
+        m = layer.module
+        if m.scale_grad_by_freq:
+            return super().backward_piece(layer, call, inputs, w, s, gy, dx, need_w)
+        if not need_w:
+            return None
+        ids = inputs[0].reshape(-1)
+        g2 = gy.reshape(-1, gy.shape[-1])
+
+        def add(acc: list[torch.Tensor]) -> None:
+            acc[0].index_add_(0, ids, g2)
+            if m.padding_idx is not None:
+                acc[0][m.padding_idx].zero_()  # every rank's contribution to this row is zero
+        return add

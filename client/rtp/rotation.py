@@ -1,0 +1,158 @@
+"""The rotation schedule of one layer call: forward around the ring, backward around it again.
+
+Forward, step k on group rank r computes with shard (r - k) mod N while that shard is
+already on its way to rank r + 1 and shard (r - k - 1) arrives from rank r - 1: two
+weight buffers, one being computed with (and sent), one being received.
+
+Backward runs the other way: step k computes with shard (r + k) mod N, starting from
+the owned one. Each shard's gradient accumulator starts at its owner, picks up every
+rank's contribution as it travels r -> r - 1, and after N hops is back home fully
+reduced. An accumulator's hop overlaps the next step's compute; the weight transfer
+overlaps the current one's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch.autograd.function import once_differentiable
+
+from .ring import BACKWARD, FORWARD, TAG_GRADS, TAG_WEIGHTS
+from .rules import Combiner
+from .shard import Position, RotatingShard
+
+
+class RngReplay:
+    """RNG states at the start of each piece, so a recomputed piece draws the same dropout."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self._states: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
+
+    def save(self, s: int) -> None:
+        dev = torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None
+        self._states[s] = (torch.get_rng_state(), dev)
+
+    def restore(self, s: int) -> None:
+        cpu, dev = self._states[s]
+        torch.set_rng_state(cpu)
+        if dev is not None:
+            torch.cuda.set_rng_state(dev, self.device)
+
+    def fork(self) -> contextlib.AbstractContextManager:
+        """Leaves the caller's RNG stream as it was once the replay is over."""
+        devices = [self.device] if self.device.type == "cuda" else []
+        return torch.random.fork_rng(devices=devices)
+
+
+def rotate_forward(layer: RotatingShard, call: Any, inputs: Sequence[torch.Tensor],
+                   own: Sequence[torch.Tensor], rng: RngReplay | None) -> tuple[torch.Tensor, ...]:
+    n, rule = layer.n_shards, layer.rule
+    combiners = [Combiner(how) for how in rule.combines(layer, call)]
+    bufs = [layer.buffers.get(role, layer.dtype, layer.device) for role in ("weights0", "weights1")] if n > 1 else []
+    with layer.rotating(Position.ROTATING_FORWARD):
+        # The owned shard is sent as a copy: the parameters never leave home.
+        cur = layer.pack(own, bufs[0], layer.rank) if n > 1 else None
+        for k in range(n):
+            s = layer.shard_at(k, FORWARD)
+            layer.visiting = s
+            transfer = nxt = None
+            if k < n - 1:
+                nxt = bufs[(k + 1) % 2][: layer.numel(layer.shard_at(k + 1, FORWARD))]
+                transfer = layer.ring.shift(cur, nxt, FORWARD, TAG_WEIGHTS)
+            w = list(own) if k == 0 else layer.views(cur, s)
+            if rng is not None:
+                rng.save(s)
+            for combiner, piece in zip(combiners, rule.forward_piece(layer, call, inputs, w, s)):
+                combiner.add(s, piece)
+            if transfer is not None:
+                transfer.wait()
+                cur = nxt
+    return tuple(c.result() for c in combiners)
+
+
+def rotate_backward(layer: RotatingShard, call: Any, inputs: Sequence[torch.Tensor], gy: torch.Tensor,
+                    need_in: Sequence[bool], need_w: bool,
+                    rng: RngReplay | None) -> tuple[list[torch.Tensor | None], list[torch.Tensor] | None]:
+    n, rank, rule, ring = layer.n_shards, layer.rank, layer.rule, layer.ring
+    how = rule.combines(layer, call)[0]
+    dx = [torch.zeros(x.shape, dtype=x.dtype, device=x.device) if need else None
+          for x, need in zip(inputs, need_in)]
+    own = [p.detach() for p in layer.own()]
+    wbufs = [layer.buffers.get(r, layer.dtype, layer.device) for r in ("weights0", "weights1")] if n > 1 else []
+    gbufs = [layer.buffers.get(r, layer.dtype, layer.device) for r in ("grads0", "grads1")] if n > 1 and need_w else []
+    final: torch.Tensor | None = None
+    grads_moving = None
+    with (rng.fork() if rng is not None else contextlib.nullcontext()), \
+            layer.rotating(Position.ROTATING_BACKWARD):
+        cur = layer.pack(own, wbufs[0], rank) if n > 1 else None
+        for k in range(n):
+            s = layer.shard_at(k, BACKWARD)
+            layer.visiting = s
+            weights_moving = nxt = None
+            if k < n - 1:
+                nxt = wbufs[(k + 1) % 2][: layer.numel(layer.shard_at(k + 1, BACKWARD))]
+                weights_moving = ring.shift(cur, nxt, BACKWARD, TAG_WEIGHTS)
+            w = own if k == 0 else layer.views(cur, s)
+            if rng is not None:
+                rng.restore(s)
+            add_grad = rule.backward_piece(layer, call, inputs, w, s, how.grad(gy, s), dx, need_w)
+            if need_w:
+                if n == 1:
+                    acc = final = torch.zeros(layer.numel(s), dtype=layer.dtype, device=layer.device)
+                elif k == 0:
+                    acc = gbufs[0][: layer.numel(s)].zero_()
+                else:
+                    grads_moving.wait()  # the accumulator of shard s, from rank r + 1
+                    acc = gbufs[k % 2][: layer.numel(s)]
+                if add_grad is not None:
+                    add_grad(layer.views(acc, s))
+                if n > 1:
+                    if k < n - 1:
+                        target = gbufs[(k + 1) % 2][: layer.numel(layer.shard_at(k + 1, BACKWARD))]
+                    else:  # the owned shard's accumulator comes home: it becomes the gradient
+                        target = final = torch.empty(layer.numel(rank), dtype=layer.dtype, device=layer.device)
+                    grads_moving = ring.shift(acc, target, BACKWARD, TAG_GRADS)
+            if weights_moving is not None:
+                weights_moving.wait()
+                cur = nxt
+        if grads_moving is not None:
+            grads_moving.wait()
+    if not need_w:
+        return dx, None
+    assert final is not None
+    final.div_(n)  # the mean over ranks' micro-batches, as DDP
+    return dx, layer.views(final, rank)
+
+
+class RotatedLayer(torch.autograd.Function):
+    """Autograd node of one layer call: inputs and the owned shard in, combined outputs out.
+
+    Only the inputs are saved; the weights are fetched again by the backward rotation.
+    Outputs after the first (e.g. attention weights) are not differentiable.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, layer: RotatingShard, call: Any, n_in: int, *tensors: torch.Tensor) -> Any:
+        inputs, own = tensors[:n_in], tensors[n_in:]
+        rng = RngReplay(layer.device) if layer.rule.uses_rng(layer, call) else None
+        outs = rotate_forward(layer, call, inputs, own, rng)
+        ctx.layer, ctx.call, ctx.n_in, ctx.rng = layer, call, n_in, rng
+        ctx.save_for_backward(*inputs)
+        if len(outs) > 1:
+            ctx.mark_non_differentiable(*outs[1:])
+            return outs
+        return outs[0]
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, gy: torch.Tensor, *_aux: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        inputs = ctx.saved_tensors
+        needs = ctx.needs_input_grad[3:]
+        need_in, need_own = needs[: ctx.n_in], needs[ctx.n_in:]
+        dx, dw = rotate_backward(ctx.layer, ctx.call, inputs, gy, need_in, any(need_own), ctx.rng)
+        own_grads = [g if need else None for g, need in zip(dw, need_own)] if dw is not None else [None] * len(need_own)
+        return (None, None, None, *dx, *own_grads)

@@ -1,0 +1,161 @@
+"""What a layer-specific sharding rule provides, and how shard outputs combine.
+
+A rule knows three things about one module type: how to cut its parameters (`plan`),
+what one shard computes for this rank's input (`forward_piece`), and that shard's
+contribution to the input gradient and to its own weight gradient (`backward_piece`).
+The rotation itself (which shard is where, sends, receives) lives in `rotation.py`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from .split import Split, Splitter
+
+if TYPE_CHECKING:
+    from .shard import RotatingShard
+
+
+class Unsupported(Exception):
+    """This module's configuration cannot be sharded; it stays replicated."""
+
+
+@dataclass(frozen=True)
+class ShardedParam:
+    """One parameter a layer shards: where it is registered and how it is cut."""
+
+    owner: nn.Module
+    name: str
+    split: Split
+
+
+@dataclass
+class LayerPlan:
+    params: list[ShardedParam]
+    detail: Any = None  # rule-specific: mode, head counts, ...
+
+
+@dataclass(frozen=True)
+class Concat:
+    """Shard `s` produces the `split` ranges of output dimension `dim`."""
+
+    dim: int
+    split: Split
+
+    def grad(self, gy: torch.Tensor, s: int) -> torch.Tensor:
+        at, length = self.split.single_range(s)
+        return gy.narrow(self.dim, at, length)
+
+
+@dataclass(frozen=True)
+class Sum:
+    """Every shard produces a full-size partial output; they add up."""
+
+    def grad(self, gy: torch.Tensor, s: int) -> torch.Tensor:
+        return gy
+
+
+Combine = Concat | Sum
+
+
+@dataclass
+class Combiner:
+    """Builds one output from the pieces as they are produced, without keeping them."""
+
+    how: Combine
+    out: torch.Tensor | None = field(default=None)
+
+    def add(self, s: int, piece: torch.Tensor) -> None:
+        if isinstance(self.how, Sum):
+            # Pieces are fresh tensors, so the first one can become the accumulator.
+            self.out = piece if self.out is None else self.out.add_(piece)
+            return
+        split, dim = self.how.split, self.how.dim
+        if self.out is None:
+            shape = list(piece.shape)
+            shape[dim] = split.full_shape[split.dim]
+            self.out = piece.new_empty(shape)
+        at, length = split.single_range(s)
+        self.out.narrow(dim, at, length).copy_(piece)
+
+    def result(self) -> torch.Tensor:
+        assert self.out is not None
+        return self.out
+
+
+GradAdder = Callable[[list[torch.Tensor]], None]
+
+
+class ShardRule:
+    """Base of the layer rules. Subclasses set `types` and implement the hooks below."""
+
+    types: tuple[type[nn.Module], ...] = ()
+
+    def claimed(self, module: nn.Module) -> list[tuple[nn.Module, str]]:
+        """(owner, name) of every parameter this rule shards for `module`, in flat order."""
+        raise NotImplementedError
+
+    def split_dims(self, module: nn.Module, owner: nn.Module, name: str) -> tuple[int, ...]:
+        """Dimensions this rule can cut `owner.name` along, preferred first (used for tied weights)."""
+        return ()
+
+    def plan(self, module: nn.Module, splitter: Splitter, fixed: dict[tuple[int, str], Split]) -> LayerPlan:
+        """Cut the parameters; `fixed[(id(owner), name)]` is a split already chosen for a tied weight."""
+        raise NotImplementedError
+
+    def forward(self, layer: RotatingShard, *args: Any, **kwargs: Any) -> Any:
+        """The module's forward, replaced: prepares inputs and calls `layer.apply`."""
+        raise NotImplementedError
+
+    def combines(self, layer: RotatingShard, call: Any) -> list[Combine]:
+        """How each output of `forward_piece` combines across shards (first output differentiable)."""
+        raise NotImplementedError
+
+    def forward_piece(self, layer: RotatingShard, call: Any, inputs: Sequence[torch.Tensor],
+                      w: list[torch.Tensor], s: int) -> tuple[torch.Tensor, ...]:
+        raise NotImplementedError
+
+    def uses_rng(self, layer: RotatingShard, call: Any) -> bool:
+        """Whether a piece draws random numbers (dropout): then backward replays the RNG state."""
+        return False
+
+    def backward_piece(self, layer: RotatingShard, call: Any, inputs: Sequence[torch.Tensor],
+                       w: list[torch.Tensor], s: int, gy: torch.Tensor,
+                       dx: list[torch.Tensor | None], need_w: bool) -> GradAdder | None:
+        """Add shard `s`'s input-gradient contribution into `dx`; return a function that adds its
+        weight gradient into the travelling accumulator (called once that has arrived).
+
+        The default recomputes the piece under autograd; rules with a closed form override it
+        so the weight gradient is written straight into the accumulator, with no temporary.
+        """
+        want_x = [d is not None for d in dx]
+        if not any(want_x) and not need_w:
+            return None
+        with torch.enable_grad():
+            xs = [x.detach().requires_grad_(want) for x, want in zip(inputs, want_x)]
+            ws = [t.detach().requires_grad_(need_w) for t in w]
+            out = self.forward_piece(layer, call, xs, ws, s)[0]
+            wrt = [x for x, want in zip(xs, want_x) if want] + (ws if need_w else [])
+            # An empty shard's piece may depend on nothing: its gradients are all zero.
+            grads = (torch.autograd.grad(out, wrt, gy, allow_unused=True) if out.requires_grad
+                     else [None] * len(wrt))
+        it = iter(grads)
+        for d, want in zip(dx, want_x):
+            if want:
+                g = next(it)
+                if g is not None:
+                    d.add_(g)
+        if not need_w:
+            return None
+        wgrads = list(it)
+
+        def add(acc: list[torch.Tensor]) -> None:
+            for a, g in zip(acc, wgrads):
+                if g is not None:
+                    a.add_(g)
+        return add

@@ -1,0 +1,301 @@
+"""Worker programs for the RTP tests: `python rtp_workers.py SCENARIO OUT_DIR`, one process per rank.
+
+Launched with RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT set (by the tests' launcher
+or by torchrun). Each rank compares its RTP model against a single-process reference
+built from the same seed and trained on the concatenation of every rank's micro-batch,
+and writes the measured differences to OUT_DIR/rank{r}.pt for the tests to judge.
+"""
+
+from __future__ import annotations
+
+import copy
+import sys
+import warnings
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from rtp_models import CASES, global_batch, micro_batch  # noqa: E402
+
+from croupier.client.rtp import Position, ReplicatedLayerWarning, RotatedTensorParallel, state_bytes  # noqa: E402
+
+MICRO = 2
+STEPS = 5
+
+
+def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    """Largest difference relative to the reference's scale (0 for two empty tensors)."""
+    if want.numel() == 0:
+        return 0.0
+    return ((got - want).abs().max() / want.abs().max().clamp_min(1e-6)).item()
+
+
+def worst(errs: dict[str, float]) -> tuple[str, float]:
+    return max(errs.items(), key=lambda kv: kv[1])
+
+
+def local_expected(rtp: RotatedTensorParallel, name: str, full: torch.Tensor) -> torch.Tensor:
+    split = rtp.sharding()[name]
+    return full if split is None else split.take(full, rtp.rank)
+
+
+def grad_errors(rtp: RotatedTensorParallel, ref: nn.Module) -> dict[str, float]:
+    ref_params = dict(ref.named_parameters(remove_duplicate=False))
+    return {name: rel_err(p.grad, local_expected(rtp, name, ref_params[name].grad))
+            for name, p in rtp.module.named_parameters(remove_duplicate=False)}
+
+
+def as_dtype(batch: tuple[torch.Tensor, ...], dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+    return tuple(t.to(dtype) if t.is_floating_point() else t for t in batch)
+
+
+def train_and_compare(case_name: str, out: Path, steps: int, group: dist.ProcessGroup | None = None,
+                      seed: int = 0, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
+    case = CASES[case_name]
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    torch.manual_seed(seed)
+    model = case.build().to(dtype)
+    ref = copy.deepcopy(model)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        rtp = RotatedTensorParallel(model, group)
+    res: dict[str, Any] = {
+        "replicated_warnings": [str(w.message) for w in caught if issubclass(w.category, ReplicatedLayerWarning)],
+        "group_rank": rtp.rank, "group_size": rtp.world_size,
+        "n_sharded": sum(s is not None for s in rtp.sharding().values()),
+        "n_params": len(rtp.sharding()),
+    }
+    opt = torch.optim.Adam(rtp.parameters(), lr=1e-3)
+    ref_opt = torch.optim.Adam(ref.parameters(), lr=1e-3)
+    res["loss_err"], res["grad_err"] = [], []
+    for step in range(steps + 1):
+        x, y = as_dtype(global_batch(case, step, world, MICRO, seed), dtype)
+        ref_opt.zero_grad()
+        ref_loss = case.loss(ref(x), y)
+        ref_loss.backward()
+        opt.zero_grad()
+        loss = case.loss(rtp(micro_batch(x, rank, MICRO)), micro_batch(y, rank, MICRO))
+        loss.backward()
+        mean = loss.detach().clone()
+        dist.all_reduce(mean, group=group)
+        res["loss_err"].append(abs(mean.item() / world - ref_loss.item()) / max(abs(ref_loss.item()), 1e-6))
+        res.setdefault("losses", []).append(ref_loss.item())
+        errs = grad_errors(rtp, ref)
+        if step == 0:
+            res["first_grad_errs"] = errs
+        res["grad_err"].append(worst(errs))
+        if step == steps:
+            res["state"] = rtp.state_bytes(opt)
+            res["whole_state"] = state_bytes(ref, ref_opt)
+            res["ring_capacity"] = rtp.ring_buffer_capacity()
+            res["largest_shard_bytes"] = max(
+                layer.max_numel * layer.dtype.itemsize for layer in rtp.rotating_layers)
+            break
+        opt.step()
+        ref_opt.step()
+
+    full = rtp.full_state_dict()
+    ref_sd = ref.state_dict()
+    res["full_keys"], res["ref_keys"] = list(full), list(ref_sd)
+    res["param_err_after_adam"] = worst({k: rel_err(full[k], ref_sd[k]) for k in ref_sd})
+    ref_params = dict(ref.named_parameters(remove_duplicate=False))
+    res["own_shard_err_after_adam"] = worst({
+        name: rel_err(p, local_expected(rtp, name, ref_params[name].detach()))
+        for name, p in rtp.module.named_parameters(remove_duplicate=False)})
+
+    if dtype == torch.float32:
+        res.update(eval_checks(rtp, ref, case, world, seed))
+        res.update(checkpoint_checks(rtp, opt, case, out / f"{case_name}-ckpt-{seed}", world, seed))
+    return res
+
+
+def eval_checks(rtp: RotatedTensorParallel, ref: nn.Module, case: Any, world: int, seed: int) -> dict[str, Any]:
+    x, _ = global_batch(case, 99, world, MICRO, seed)
+    mine = micro_batch(x, rtp.rank, MICRO)
+    before = {n: p.detach().clone() for n, p in rtp.module.named_parameters()}
+    rtp.eval()
+    ref.eval()
+    with torch.no_grad():
+        first, second = rtp(mine), rtp(mine)
+        want = micro_batch(ref(x), rtp.rank, MICRO)
+    with_grad_mode = rtp(mine)  # eval() alone, autograd on, never backpropagated
+    rtp.train()
+    ref.train()
+    return {
+        "eval_repeat_equal": torch.equal(first, second) and torch.equal(first, with_grad_mode.detach()),
+        "eval_vs_ref_err": rel_err(first, want),
+        "eval_weights_unchanged": all(torch.equal(before[n], p) for n, p in rtp.module.named_parameters()),
+        "eval_all_home": all(layer.position is Position.HOME and layer.visiting is None
+                             for layer in rtp.rotating_layers),
+    }
+
+
+def checkpoint_checks(rtp: RotatedTensorParallel, opt: torch.optim.Optimizer, case: Any, path: Path,
+                      world: int, seed: int) -> dict[str, Any]:
+    saved = {n: p.detach().clone() for n, p in rtp.module.named_parameters()}
+    saved_opt = copy.deepcopy(opt.state_dict())
+    rtp.save_sharded(path, opt)
+    with torch.no_grad():
+        for p in rtp.parameters():
+            p.mul_(0.0)
+    for state in opt.state.values():
+        state["exp_avg"].zero_()
+    rtp.load_sharded(path, opt)
+    restored = all(torch.equal(saved[n], p) for n, p in rtp.module.named_parameters())
+    opt_restored = all(torch.equal(a["exp_avg"], b["exp_avg"])
+                       for a, b in zip(saved_opt["state"].values(), opt.state_dict()["state"].values()))
+
+    torch.manual_seed(seed + 4242)
+    other = case.build()
+    rtp.load_full_state_dict(other.state_dict())
+    back = rtp.full_state_dict()
+    other_sd = other.state_dict()
+    x, _ = global_batch(case, 77, world, MICRO, seed)
+    with torch.no_grad():
+        got = rtp(micro_batch(x, rtp.rank, MICRO))
+        want = micro_batch(other(x), rtp.rank, MICRO)
+    return {
+        "sharded_ckpt_restored": restored,
+        "sharded_ckpt_opt_restored": opt_restored,
+        "full_import_export_err": worst({k: rel_err(back[k], other_sd[k]) for k in other_sd}),
+        "full_import_keys_equal": list(back) == list(other_sd),
+        "full_import_output_err": rel_err(got, want),
+    }
+
+
+class AttentionVariants(nn.Module):
+    """Cross-attention (kdim/vdim, bias_kv, zero_attn, seq-first, padding mask, per-head weights),
+    self-attention with a per-head 3-D float mask, and a stock nn.TransformerEncoderLayer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.cross = nn.MultiheadAttention(12, 3, kdim=7, vdim=5, add_bias_kv=True, add_zero_attn=True)
+        self.self_attn = nn.MultiheadAttention(12, 3, batch_first=True)
+        self.encoder = nn.TransformerEncoderLayer(12, 4, dim_feedforward=19, dropout=0.0, batch_first=True)
+
+    def forward(self, q, k, v, padding, mask):
+        a, w_cross = self.cross(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), key_padding_mask=padding,
+                                need_weights=True, average_attn_weights=False)
+        a = a.transpose(0, 1)
+        b, w_self = self.self_attn(a, a, a, attn_mask=mask, need_weights=True)
+        return self.encoder(b), w_cross, w_self
+
+
+def attention_variants(out: Path) -> dict[str, Any]:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(3)
+    model = AttentionVariants()
+    ref = copy.deepcopy(model)
+    rtp = RotatedTensorParallel(model)
+    g = torch.Generator().manual_seed(11)
+    n = world * MICRO
+    q, k, v = torch.randn(n, 6, 12, generator=g), torch.randn(n, 8, 7, generator=g), torch.randn(n, 8, 5, generator=g)
+    padding = torch.rand(n, 8, generator=g) < 0.3
+    padding[:, 0] = False
+    mask = torch.randn(n * 3, 6, 6, generator=g)
+    inputs = [t.clone().requires_grad_() for t in (q, k, v)]
+    # A random weighting, not out.pow(2): right after a LayerNorm that loss is nearly constant.
+    weighting = torch.randn(n, 6, 12, generator=g)
+    ref_out, ref_wc, ref_ws = ref(*inputs, padding, mask)
+    ref_out.mul(weighting).mean().backward()
+
+    def mine(t: torch.Tensor, per: int = 1) -> torch.Tensor:
+        return t[rank * MICRO * per:(rank + 1) * MICRO * per]
+
+    local = [mine(t).clone().requires_grad_() for t in (q, k, v)]
+    out, wc, ws = rtp(*local, mine(padding), mine(mask, 3))
+    out.mul(mine(weighting)).mean().backward()
+    res = {
+        "out_err": rel_err(out, mine(ref_out)),
+        "cross_weights_err": rel_err(wc, mine(ref_wc)),
+        "self_weights_err": rel_err(ws, mine(ref_ws)),
+        # the rank's loss is a mean over MICRO samples, the reference's over world * MICRO
+        "input_grad_err": worst({str(i): rel_err(a.grad / world, mine(b.grad)) for i, (a, b)
+                                 in enumerate(zip(local, inputs))}),
+        "grad_err": worst(grad_errors(rtp, ref)),
+    }
+    rtp.eval()
+    ref.eval()
+    with torch.no_grad():
+        x = mine(ref_out.detach())
+        res["encoder_eval_err"] = rel_err(rtp.module.encoder(x), ref.encoder(x))
+    return res
+
+
+def dropout_gradient(out: Path) -> dict[str, Any]:
+    """With attention dropout, backward must replay each piece's dropout mask.
+
+    Checked against a central difference of the same seeded objective (float64): a
+    backward that drew new masks would differentiate a different function.
+    """
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(5)
+    rtp = RotatedTensorParallel(nn.MultiheadAttention(12, 3, dropout=0.4, batch_first=True).double())
+    x = torch.randn(MICRO, 5, 12, dtype=torch.float64, generator=torch.Generator().manual_seed(rank))
+
+    def objective() -> torch.Tensor:
+        torch.manual_seed(1234 + rank)
+        return rtp(x, x, x, need_weights=False)[0].pow(2).mean()
+
+    objective().backward()
+    g = torch.Generator().manual_seed(99 + rank)
+    direction = [torch.randn(p.shape, dtype=p.dtype, generator=g) for p in rtp.parameters()]
+    slope = sum((p.grad * d).sum() for p, d in zip(rtp.parameters(), direction))
+    dist.all_reduce(slope)
+    eps = 1e-6
+    with torch.no_grad():
+        for p, d in zip(rtp.parameters(), direction):
+            p.add_(eps * d)
+        plus = objective()
+        for p, d in zip(rtp.parameters(), direction):
+            p.sub_(2 * eps * d)
+        minus = objective()
+    fd = (plus - minus) / (2 * eps)
+    dist.all_reduce(fd)
+    fd /= world  # gradients are the mean over ranks
+    return {"dropout_fd_err": (abs(fd - slope) / abs(slope)).item()}
+
+
+def equivalence(out: Path) -> dict[str, Any]:
+    res = {name: train_and_compare(name, out, 1) for name in CASES}
+    # Adam divides by sqrt(v): parameters with a gradient that is zero in exact arithmetic (the
+    # key bias of attention) follow float32 rounding noise to +-lr per step, identically wrong in
+    # both models only by chance. Trajectories are therefore compared in float64.
+    res["float64"] = {name: train_and_compare(name, out, STEPS, dtype=torch.float64) for name in CASES}
+    res["attention"] = attention_variants(out)
+    res["dropout"] = dropout_gradient(out)
+    return res
+
+
+def two_groups(out: Path) -> dict[str, Any]:
+    """World of 4 as two independent RTP groups of 2, each with its own data."""
+    groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    index = dist.get_rank() // 2
+    return {"group_index": index,
+            **{name: train_and_compare(name, out, 2, groups[index], seed=index + 1, dtype=torch.float64)
+               for name in ("mlp", "gpt")}}
+
+
+SCENARIOS = {"equivalence": equivalence, "two_groups": two_groups}
+
+
+def main() -> None:
+    scenario, out = sys.argv[1], Path(sys.argv[2])
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=timedelta(seconds=120))
+    try:
+        result = SCENARIOS[scenario](out)
+        torch.save(result, out / f"rank{dist.get_rank()}.pt")
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
