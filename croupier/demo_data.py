@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 
 #: Bumped whenever the files written change, so an old cache is rebuilt, not misread.
-LAYOUT_VERSION = "digits-v1"
+LAYOUT_VERSION = "digits-v2"
 FORMATS = ("imagefolder", "webdataset", "arrow")
 SPLITS = ("train", "test")
 #: Every TEST_EVERY-th image of each class (by its order in scikit-learn) is held out.
@@ -107,8 +107,7 @@ def _write_arrow(path: Path, images: np.ndarray, labels: np.ndarray, indices: np
     flat = images[indices].reshape(len(indices), -1)
     offsets = pa.array(np.arange(0, flat.size + 1, flat.shape[1], dtype=np.int32))
     table = pa.table({"pixels": pa.ListArray.from_arrays(offsets, pa.array(flat.ravel(), pa.uint8())),
-                      "label": pa.array(labels[indices], pa.int64()),
-                      "source_index": pa.array(indices, pa.int64())})
+                      "label": pa.array(labels[indices], pa.int64())})
     path.parent.mkdir(parents=True, exist_ok=True)
     with pa.ipc.new_file(str(path), table.schema) as writer:
         writer.write_table(table, max_chunksize=256)
