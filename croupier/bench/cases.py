@@ -30,6 +30,9 @@ class Storage:
     name: str
     latency_ms: float = 0.0
     cold: bool = False
+    #: Inject even a 0 ms latency: croupier then takes its unordered path with no wait,
+    #: which measures that path's CPU ceiling.
+    inject: bool = False
 
     @property
     def mean_latency_s(self) -> float:
@@ -39,6 +42,7 @@ class Storage:
 
 PAGE_CACHE = Storage("page cache")
 COLD_DISK = Storage("cold disk", cold=True)
+NO_WAIT = Storage("0 ms injected (no wait)", inject=True)
 
 
 def latency(ms: float) -> Storage:
@@ -157,7 +161,7 @@ class ServerProcess:
 
 
 def server_flags(storage: Storage) -> list[str]:
-    if not storage.latency_ms:
+    if not storage.latency_ms and not storage.inject:
         return []
     return ["--latency-ms", f"{storage.latency_ms:g}", "--latency-distribution", "lognormal",
             "--latency-sigma", f"{SIGMA:g}"]

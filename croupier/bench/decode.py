@@ -47,7 +47,7 @@ def image_rate(root: Path, seconds: float = 1.5, max_images: int = 20_000) -> fl
     return n / (time.perf_counter() - t0)
 
 
-def decode_rates(paths: dict[str, Path]) -> dict[str, float]:
+def decode_rates(paths: dict[str, Path], seconds: float = 1.5) -> dict[str, float]:
     """Samples/s on one core, per dataset (the tar shards hold the same JPEGs as the folder)."""
-    images = image_rate(paths["imagefolder"])
-    return {"text": text_rate(paths["text"]), "imagefolder": images, "shards": images}
+    images = image_rate(paths["imagefolder"], seconds)
+    return {"text": text_rate(paths["text"], seconds=seconds), "imagefolder": images, "shards": images}

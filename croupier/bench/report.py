@@ -14,24 +14,42 @@ DATASET_TITLES = {
 
 
 def derive(case: dict[str, Any], decode_rates: dict[str, float], cores: int) -> dict[str, Any]:
-    """Add the ceilings to one case's result: C/L with injected latency, and the decode rate."""
+    """Add the ceilings known from the case alone: C/L with injected latency, and the decode rate."""
     c = case["case"]
     latency_ms = c["storage"]["latency_ms"]
     mean_l = latency_ms / 1000 * math.exp(0.5**2 / 2)
     io = case["reads_in_flight"] / mean_l if latency_ms else None
-    cpu = decode_rates.get(c["dataset"], math.inf) * cores
-    ceiling = min(io, cpu) if io is not None else cpu
-    return {**case, "ceiling_c_over_l": io, "ceiling_decode": cpu, "ceiling": ceiling,
-            "fraction_of_ceiling": case["samples_per_s"] / ceiling if ceiling else None}
+    return {**case, "ceiling_c_over_l": io, "ceiling_decode": decode_rates.get(c["dataset"], math.inf) * cores}
 
 
 def _key(r: dict[str, Any]) -> tuple[str, str]:
     return r["case"]["dataset"], r["case"]["storage"]["name"]
 
 
-def add_comparisons(results: list[dict[str, Any]]) -> None:
-    """Each result's throughput as a multiple of the best DataLoader (or WebDataset) at the same
-    dataset and storage."""
+def _cpu_ceiling(r: dict[str, Any], results: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The same system's rate with nothing to wait for: croupier's unordered path with 0 ms
+    injected, else the page-cache case."""
+    label, ds = r["case"]["system"]["label"], r["case"]["dataset"]
+    for storage in ("0 ms injected (no wait)", "page cache"):
+        for other in results:
+            if (other["case"]["dataset"], other["case"]["storage"]["name"], other["case"]["system"]["label"]) == (
+                    ds, storage, label):
+                return other
+    return None
+
+
+def finish(results: list[dict[str, Any]]) -> None:
+    """Ceilings that need the other cases, fractions of the ceiling, and each throughput as a
+    multiple of the best DataLoader (or WebDataset) at the same dataset and storage."""
+    for r in results:
+        cpu = _cpu_ceiling(r, results) if r["case"]["storage"]["latency_ms"] else None
+        bounds = {"C/L": r["ceiling_c_over_l"], "decode": r["ceiling_decode"],
+                  "CPU": cpu["samples_per_s"] if cpu is not None else None}
+        bounds = {k: v for k, v in bounds.items() if v}
+        binding = min(bounds, key=bounds.get)
+        r["ceiling_cpu"] = bounds.get("CPU")
+        r["ceiling"], r["ceiling_binding"] = bounds[binding], binding
+        r["fraction_of_ceiling"] = r["samples_per_s"] / bounds[binding]
     best: dict[tuple[str, str], float] = {}
     for r in results:
         if r["case"]["system"]["kind"] in ("dataloader", "webdataset"):
@@ -79,8 +97,9 @@ def check_targets(kind: str, results: list[dict[str, Any]]) -> list[dict[str, An
                                    f"{cr['case']['storage']['latency_ms'] * math.exp(0.125):.2f} ms = {io:,.0f}"))
             else:
                 out.append(_target(f"{ds}, {st}: unordered >= 0.7 of ceiling", cr["fraction_of_ceiling"], 0.7,
-                                   f"{cr['samples_per_s']:,.0f} of min(C/L {cr['ceiling_c_over_l']:,.0f}, "
-                                   f"decode {cr['ceiling_decode']:,.0f}) samples/s"))
+                                   f"{cr['samples_per_s']:,.0f} of {cr['ceiling']:,.0f} samples/s ({cr['ceiling_binding']}"
+                                   f"; C/L {cr['ceiling_c_over_l']:,.0f}, decode {cr['ceiling_decode']:,.0f}, "
+                                   f"CPU {_f(cr['ceiling_cpu'])})"))
         cr = _find(results, ds, "page cache", "croupier unordered")
         dl = _best_dl(results, ds, "page cache")
         if cr is not None and dl is not None:
@@ -98,7 +117,7 @@ def _f(x: float | None, fmt: str = ",.0f") -> str:
 def results_table(results: list[dict[str, Any]], dataset: str) -> str:
     head = ("| storage | system | shuffle | samples/s | MB/s | first batch s | batch p50 ms | batch p99 ms "
             "| CPU s/1k samples (server) | peak RSS MB server / trainer (+workers) | C | C/L | decode ceiling "
-            "| of ceiling | vs best baseline |\n" + "|---" * 15 + "|")
+            "| CPU ceiling | of ceiling (bound) | vs best baseline |\n" + "|---" * 16 + "|")
     lines = [head]
     for r in results:
         c = r["case"]
@@ -106,7 +125,7 @@ def results_table(results: list[dict[str, Any]], dataset: str) -> str:
             continue
         if r.get("error"):
             lines.append(f"| {c['storage']['name']} | {c['system']['label']} | {c['system']['shuffle']} | "
-                         f"failed: {r['error'][:80]} |" + " |" * 11)
+                         f"failed: {r['error'][:80]} |" + " |" * 12)
             continue
         server_cpu = f" ({r['server_cpu_s_per_1k']:.3f})" if r["server_cpu_s_per_1k"] is not None else ""
         server_rss = _f(r["server_peak_rss_mb"])
@@ -117,7 +136,7 @@ def results_table(results: list[dict[str, Any]], dataset: str) -> str:
             f"| {_f(r['batch_p50_ms'], '.1f')} | {_f(r['batch_p99_ms'], '.1f')} "
             f"| {r['cpu_s_per_1k']:.3f}{server_cpu} | {server_rss} / {r['trainer_peak_rss_mb']:,.0f}{workers} "
             f"| {r['reads_in_flight']} | {_f(r['ceiling_c_over_l'])} | {_f(r['ceiling_decode'])} "
-            f"| {_f(100 * r['fraction_of_ceiling'] if r['fraction_of_ceiling'] else None, '.0f')}% "
+            f"| {_f(r['ceiling_cpu'])} | {_f(100 * r['fraction_of_ceiling'], '.0f')}% ({r['ceiling_binding']}) "
             f"| {_f(r['vs_best_baseline'], '.2f')}x |"
         )
     return "\n".join(lines)
@@ -160,7 +179,7 @@ def markdown(report: dict[str, Any], plots: list[str]) -> str:
         f"# croupier bench: suite `{report['suite']}`",
         "",
         f"Command: `{report['command']}`  ",
-        f"Run: {report['started']}, {report['wall_s'] / 60:.1f} min wall  ",
+        f"Run: {report['started']}, {report['wall_s'] / 60:.1f} min wall; code: {report.get('code', '?')}  ",
         f"Machine: {m['cpu']}, {m['cores']} cores, {m['memory_gb']:.0f} GiB, {m['os']}; Python {m['python']}, "
         f"torch {m['torch']}, grpcio {m['grpcio']}, pyarrow {m['pyarrow']}  ",
         f"Load average (1 min) at start {report['load']['start'][0]:.2f}, at end {report['load']['end'][0]:.2f}: "
@@ -184,7 +203,9 @@ def markdown(report: dict[str, Any], plots: list[str]) -> str:
         "CPU s/1k samples: all CPU of the trainer processes, their workers and the server, per 1,000 samples "
         "(server alone in brackets). C: reads in flight over all ranks; C/L its ceiling with mean latency L; "
         f"decode ceiling: one core's measured decode rate ({', '.join(f'{k} {v:,.0f}/s' for k, v in report['decode_rates'].items())}) "
-        f"times {m['cores']} cores; of ceiling: samples/s over min(C/L, decode ceiling). "
+        f"times {m['cores']} cores; CPU ceiling (cases with injected latency): the same system with nothing to wait "
+        "for on this machine (croupier: its unordered path with 0 ms injected; others: their page-cache case); "
+        "of ceiling: samples/s over the smallest of the three, which is named. "
         "Peak RSS: VmHWM of the server and of the largest trainer rank; workers: their private (anonymous) "
         "memory at the end, summed.",
         "",

@@ -33,6 +33,21 @@ def machine() -> dict[str, Any]:
             "torch": torch.__version__, "grpcio": grpc.__version__, "pyarrow": pyarrow.__version__}
 
 
+def code_state() -> str:
+    """The commit measured, and which code paths had uncommitted changes (shared checkouts)."""
+    import subprocess
+
+    def git(*args: str) -> str:
+        try:
+            return subprocess.run(["git", *args], capture_output=True, text=True, timeout=10).stdout.strip()
+        except (OSError, subprocess.TimeoutExpired):
+            return ""
+
+    head = git("rev-parse", "--short", "HEAD") or "unknown"
+    dirty = [line[3:] for line in git("status", "--porcelain", "--", "server", "client", "croupier", "protos").splitlines()]
+    return head + (f" with uncommitted changes in {', '.join(dirty)}" if dirty else "")
+
+
 def run_suite(suite: Suite, out: Path, data_dir: Path, command: str, say: Callable[[str], None] = print,
               only: str = "") -> dict[str, Any]:
     t0 = time.perf_counter()
@@ -40,7 +55,7 @@ def run_suite(suite: Suite, out: Path, data_dir: Path, command: str, say: Callab
     log = out / f"{suite.name}-server.log"
     log.write_text("")
     rep: dict[str, Any] = {
-        "suite": suite.name, "command": command, "machine": machine(),
+        "suite": suite.name, "command": command, "machine": machine(), "code": code_state(),
         "started": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "load": {"start": list(os.getloadavg())}, "data": asdict(suite.data),
         "batch": suite.cases[0].batch if suite.cases else 64, "world": suite.cases[0].world if suite.cases else 2,
@@ -48,7 +63,7 @@ def run_suite(suite: Suite, out: Path, data_dir: Path, command: str, say: Callab
     }
     data = ensure_data(data_dir, suite.data, log=say)
     paths = data.paths()
-    rates = decode_rates(paths)
+    rates = decode_rates(paths, suite.decode_seconds)
     rep["decode_rates"] = rates
     say("decode rate, one core: " + ", ".join(f"{k} {v:,.0f} samples/s" for k, v in rates.items()))
     cases = [c for c in suite.cases if not only or only in f"{c.dataset} {c.storage.name} {c.system.label}"]
@@ -66,7 +81,7 @@ def run_suite(suite: Suite, out: Path, data_dir: Path, command: str, say: Callab
         results.append(r)
         say(f"    {r['samples_per_s']:,.0f} samples/s, first batch {r['first_batch_s']:.2f} s, "
             f"batch p99 {r['batch_p99_ms']:.0f} ms ({time.perf_counter() - t:.1f} s)")
-    report.add_comparisons(results)
+    report.finish(results)
     rep["cases"] = results
     if suite.curves is not None and not only:
         c = suite.curves

@@ -8,11 +8,12 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from .cases import (
     COLD_DISK,
     CROUPIER,
+    NO_WAIT,
     CROUPIER_ORDERED,
     HF_SHUFFLE,
     PAGE_CACHE,
@@ -50,7 +51,8 @@ class Suite:
     shuffle_quality: bool = True
     #: The targets to check, by name (see report.targets).
     targets: tuple[str, ...] = ()
-    notes: tuple[str, ...] = field(default_factory=tuple)
+    #: How long the one-core decode rate is measured, per dataset kind.
+    decode_seconds: float = 1.5
 
 
 STORAGE = (PAGE_CACHE, latency(1), latency(5), latency(20), COLD_DISK)
@@ -66,10 +68,11 @@ def _matrix(storage: tuple[Storage, ...], systems: dict[str, tuple[System, ...]]
 
 
 def full() -> Suite:
+    cpu_ceiling = _matrix((NO_WAIT,), {ds: (CROUPIER,) for ds in SYSTEMS}, max_batches=400, max_seconds=3.0)
     return Suite(
         name="full",
         data=DataSpec(),
-        cases=_matrix(STORAGE, SYSTEMS, max_batches=150, max_seconds=3.0),
+        cases=(*_matrix(STORAGE, SYSTEMS, max_batches=400, max_seconds=3.0), *cpu_ceiling),
         curves=Curves(),
         targets=("full",),
     )
@@ -80,25 +83,28 @@ def first() -> Suite:
     return Suite(
         name="first",
         data=DataSpec(),
-        cases=_matrix((latency(5), PAGE_CACHE), systems, max_batches=300, max_seconds=5.0),
+        cases=(*_matrix((latency(5), PAGE_CACHE), systems, max_batches=400, max_seconds=5.0),
+               Case("text", NO_WAIT, CROUPIER, max_batches=400, max_seconds=5.0)),
         shuffle_quality=False,
         targets=("first",),
     )
 
 
 def quick() -> Suite:
+    # One rank and few cases: process start-up (torch, grpc) is most of a case's time.
+    kw = dict(world=1, max_batches=15, max_seconds=0.5)
     cases = (
-        *_matrix((PAGE_CACHE,), {"text": (CROUPIER, dataloader(2))}, max_batches=20, max_seconds=1.0),
-        *_matrix((latency(5),), {"text": (CROUPIER, CROUPIER_ORDERED, dataloader(2)), "shards": (CROUPIER, WEBDATASET)},
-                 max_batches=20, max_seconds=1.0),
+        *_matrix((PAGE_CACHE,), {"text": (CROUPIER, dataloader(0))}, **kw),
+        *_matrix((latency(5),), {"text": (CROUPIER, dataloader(2)), "shards": (WEBDATASET,)}, **kw),
     )
     return Suite(
         name="quick",
         data=DataSpec(text_rows=4_000, images=600, shard_size=100),
         cases=cases,
-        curves=Curves(in_flight=(64,), streams=(1, 4), streams_seconds=0.5,
+        curves=Curves(in_flight=(64,), streams=(1, 4), streams_seconds=0.3,
                       planner_sizes=(10**3, 10**6, 10**9), numpy_limit=10**6, shuffle_rows=10_000),
         targets=("first",),
+        decode_seconds=0.3,
     )
 
 
