@@ -51,6 +51,7 @@ class Progress:
         self.t0 = time.perf_counter()
         self.done = 0
         self.bar = None
+        self.last: list[dict[str, float]] | None = None  # rows at the end of the previous epoch
         if show and out.isatty():
             from tqdm import tqdm
 
@@ -69,18 +70,22 @@ class Progress:
     def epoch_line(self, epoch: int, rows: list[dict[str, float]]) -> str:
         loss = sum(r["epoch_loss_sum"] for r in rows) / max(1.0, sum(r["epoch_steps"] for r in rows))
         acc = sum(r["epoch_correct"] for r in rows) / max(1.0, sum(r["epoch_seen"] for r in rows))
-        rates = _rates(rows)
+        # This epoch's figures: the counters are cumulative, so subtract the previous epoch's.
+        last = self.last or [dict.fromkeys(FIELDS, 0.0) for _ in rows]
+        delta = [{k: r[k] - p[k] for k in ("samples", "train_s", "wait_s")} for r, p in zip(rows, last)]
+        rates = _rates(delta)
         elapsed = time.perf_counter() - self.t0
         eta = elapsed / max(1, self.done) * (self.total - self.done)
         per_rank = ", ".join(f"rank {i} {x:,.0f}/s" for i, x in enumerate(rates))
         return (f"epoch {epoch + 1:>2}/{self.epochs}  loss {loss:.4f}  train acc {acc:6.2%}  "
-                f"{sum(rates):,.0f} samples/s ({per_rank})  waited {max(r['wait_s'] for r in rows):.2f}s  "
+                f"{sum(rates):,.0f} samples/s ({per_rank})  waited {max(d['wait_s'] for d in delta):.2f}s  "
                 f"ETA {_clock(eta)}")
 
     def end_epoch(self, epoch: int, rows: list[dict[str, float]]) -> None:
         if not self.show:
             return
         line = self.epoch_line(epoch, rows)
+        self.last = rows
         if self.bar is not None:
             self.bar.write(line, file=self.out)
         else:
@@ -132,8 +137,8 @@ class Summary:
             f"{max(self.wait_s_by_rank) / max(self.train_s, 1e-9):.1%} of training time at most)"
             + (f"; first batch after {self.first_batch_s:.2f}s" if self.first_batch_s is not None else ""),
             f"  data: {self.dataset} from {', '.join(self.servers)}, "
-            f"{'ordered (one read at a time)' if self.ordered else 'unordered'} fetching, "
-            f"{self.world_size} RTP-sharded ranks",
+            f"{'ordered (one read at a time)' if self.ordered else 'unordered'} fetching; "
+            f"{self.world_size} ranks, each holding 1/{self.world_size} of the model (RTP)",
         ]
         return "\n".join(lines)
 

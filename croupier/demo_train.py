@@ -208,7 +208,7 @@ def _train(opts: TrainOptions, rank: int, world: int, device: torch.device) -> S
         wait_s_by_rank=[r["wait_s"] for r in rows],
         first_batch_s=loader.stats.first_batch_s,
         final_train_loss=sum(r["epoch_loss_sum"] for r in rows) / max(1.0, sum(r["epoch_steps"] for r in rows)),
-        dataset=f"{opts.train} ({info.num_rows:,} rows)" + (f", held out: {opts.test}" if opts.test else ""),
+        dataset=f"{info.num_rows:,} rows of {opts.train}" + (f" (held out: {opts.test})" if opts.test else ""),
         servers=list(opts.servers),
         ordered=opts.ordered,
         world_size=world,
@@ -226,7 +226,9 @@ def _with_stats(row: dict[str, float], loader: Loader, train_s: float) -> dict[s
 
 def main(argv: Sequence[str] | None = None) -> int:
     opts = parse_options(argv)
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", 1))))
+    # One rank per core share unless OMP_NUM_THREADS says otherwise: oversubscribed cores stall the ring.
+    share = max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS") or share))
     train(opts)
     return 0
 
