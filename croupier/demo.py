@@ -11,6 +11,7 @@ waiting for data), then stops the server and the ranks.
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 import tempfile
 import time
@@ -89,7 +90,12 @@ def _prepare_only(args: argparse.Namespace) -> int:
     return 0
 
 
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt  # SIGTERM too stops the server and the ranks before exiting
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
+    signal.signal(signal.SIGTERM, _interrupt)
     if args.prepare_only:
         return _prepare_only(args)
     if args.world_size < 1 or args.epochs < 1 or args.batch_size < 1:

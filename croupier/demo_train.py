@@ -91,7 +91,9 @@ async def _describe(servers: Sequence[str], dataset: str):
             return await conn.describe(dataset, timeout=30)
         except grpc.aio.AioRpcError as exc:
             if exc.code() not in RETRYABLE:
-                raise SystemExit(f"croupier demo: {address}: {exc.details()}") from None
+                hint = ("" if dataset != DEFAULT_TRAIN else
+                        " (`croupier demo --prepare-only` writes the digits and prints the command that serves them)")
+                raise SystemExit(f"croupier demo: {address}: {exc.details()}{hint}") from None
             last = exc
         finally:
             await conn.close()
@@ -229,7 +231,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     # One rank per core share unless OMP_NUM_THREADS says otherwise: oversubscribed cores stall the ring.
     share = max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS") or share))
-    train(opts)
+    try:
+        train(opts)
+    except KeyboardInterrupt:  # Ctrl-C reaches every rank; `croupier demo` reports it once
+        return 130
     return 0
 
 
