@@ -68,11 +68,11 @@ def _matrix(storage: tuple[Storage, ...], systems: dict[str, tuple[System, ...]]
 
 
 def full() -> Suite:
-    cpu_ceiling = _matrix((NO_WAIT,), {ds: (CROUPIER,) for ds in SYSTEMS}, max_batches=400, max_seconds=3.0)
+    cpu_ceiling = _matrix((NO_WAIT,), {ds: (CROUPIER,) for ds in SYSTEMS}, max_batches=400, max_seconds=2.5)
     return Suite(
         name="full",
         data=DataSpec(),
-        cases=(*_matrix(STORAGE, SYSTEMS, max_batches=400, max_seconds=3.0), *cpu_ceiling),
+        cases=(*_matrix(STORAGE, SYSTEMS, max_batches=400, max_seconds=2.5), *cpu_ceiling),
         curves=Curves(),
         targets=("full",),
     )
