@@ -185,9 +185,11 @@ class RotatedTensorParallel(nn.Module):
         return total.to(grads[0].dtype)
 
     def state_bytes(self, optimizer: Optimizer | None = None) -> StateBytes:
-        """Bytes this rank holds for parameters, gradients, optimizer state and ring buffers."""
-        return state_bytes(self.module, optimizer, self._ring_buffers.nbytes())
+        """Bytes this rank holds for parameters, gradients and optimizer state, and the
+        high-water mark of its ring buffers so far."""
+        return state_bytes(self.module, optimizer, self._ring_buffers.peak_bytes)
 
-    def ring_buffer_capacity(self) -> int:
-        """Bytes of the four ring buffers once all are allocated (two weight shards, two accumulators)."""
-        return self._ring_buffers.capacity_bytes()
+    def ring_buffer_bound(self) -> int:
+        """Most bytes ring buffers can take: two weight shards and two gradient accumulators
+        of the largest layer shard (reached during that layer's backward)."""
+        return max((4 * layer.max_numel * layer.dtype.itemsize for layer in self.rotating_layers), default=0)

@@ -49,7 +49,10 @@ class EmbeddingRule(ShardRule):
         m = layer.module
         return (F.embedding(inputs[0], w[0], m.padding_idx, None, 2.0, m.scale_grad_by_freq, False),)
 
-    def backward_piece(self, layer: Any, call: Any, inputs: Sequence[torch.Tensor], w: list[torch.Tensor],
+    def backward_needs_weights(self, layer: Any, call: Any, need_in: Sequence[bool]) -> bool:
+        return layer.module.scale_grad_by_freq  # only the recomputing fallback reads them
+
+    def backward_piece(self, layer: Any, call: Any, inputs: Sequence[torch.Tensor], w: list[torch.Tensor] | None,
                        s: int, gy: torch.Tensor, dx: list[torch.Tensor | None], need_w: bool) -> GradAdder | None:
         m = layer.module
         if m.scale_grad_by_freq:

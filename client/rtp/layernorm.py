@@ -51,7 +51,10 @@ class LayerNormRule(ShardRule):
         out = inputs[0].narrow(self._dim(layer), at, length) * w[0]
         return (out + w[1] if len(w) > 1 else out,)
 
-    def backward_piece(self, layer: Any, call: Any, inputs: Sequence[torch.Tensor], w: list[torch.Tensor],
+    def backward_needs_weights(self, layer: Any, call: Any, need_in: Sequence[bool]) -> bool:
+        return need_in[0]
+
+    def backward_piece(self, layer: Any, call: Any, inputs: Sequence[torch.Tensor], w: list[torch.Tensor] | None,
                        s: int, gy: torch.Tensor, dx: list[torch.Tensor | None], need_w: bool) -> GradAdder | None:
         dim = self._dim(layer)
         at, length = layer.plan.params[0].split.single_range(s)

@@ -62,21 +62,24 @@ class LinearRule(ShardRule):
             out.narrow(-1, b_at, b_len).add_(bias)
         return (out,)
 
-    def backward_piece(self, layer: Any, call: Any, inputs: Sequence[torch.Tensor], w: list[torch.Tensor],
+    def backward_needs_weights(self, layer: Any, call: Any, need_in: Sequence[bool]) -> bool:
+        return need_in[0]  # the weight gradient is gy^T x: no weights in it
+
+    def backward_piece(self, layer: Any, call: Any, inputs: Sequence[torch.Tensor], w: list[torch.Tensor] | None,
                        s: int, gy: torch.Tensor, dx: list[torch.Tensor | None], need_w: bool) -> GradAdder | None:
-        x, weight = inputs[0], w[0]
-        has_bias = len(w) > 1
+        x = inputs[0]
+        has_bias = len(layer.plan.params) > 1
         n_in = x.shape[-1]
         g2 = gy.reshape(-1, gy.shape[-1])
         x2 = x.reshape(-1, n_in)
         if layer.plan.detail == ROWS:
             if dx[0] is not None:
-                dx[0].view(-1, n_in).addmm_(g2, weight)
+                dx[0].view(-1, n_in).addmm_(g2, w[0])
             b_at, b_len = 0, g2.shape[1]
         else:
             at, length = layer.plan.params[0].split.single_range(s)
             if dx[0] is not None:
-                dx[0].view(-1, n_in).narrow(1, at, length).addmm_(g2, weight)
+                dx[0].view(-1, n_in).narrow(1, at, length).addmm_(g2, w[0])
             x2 = x2.narrow(1, at, length)
             b_at, b_len = layer.plan.params[1].split.single_range(s) if has_bias else (0, 0)
         if not need_w:

@@ -6,6 +6,9 @@ ring built on a sub-group talks only to that sub-group's members.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
@@ -88,37 +91,25 @@ class Ring:
 
 
 class RingBuffers:
-    """The shard memory in flight: two weight and two gradient-accumulator buffers.
+    """Allocates the flat buffers shards travel in, one layer call at a time, and accounts for them.
 
-    Every layer reuses the same four flat buffers (sized for the largest shard), so
-    weights in flight never exceed two shards plus two accumulators, whatever the depth.
-    Layers run one at a time on a rank, which is what makes sharing them safe.
+    A forward rotation leases two weight buffers, a backward one two weight buffers and
+    two gradient accumulators, each sized for that layer's largest shard, and returns
+    them when the call ends: between rotations no shard memory is held at all, and the
+    high-water mark is set by the largest layer.
     """
 
-    ROLES = ("weights0", "weights1", "grads0", "grads1")
-
     def __init__(self) -> None:
-        self._sizes: dict[tuple[torch.dtype, torch.device], int] = {}
-        self._buffers: dict[tuple[str, torch.dtype, torch.device], torch.Tensor] = {}
+        self.live_bytes = 0
+        self.peak_bytes = 0
 
-    def reserve(self, numel: int, dtype: torch.dtype, device: torch.device) -> None:
-        key = (dtype, torch.device(device))
-        self._sizes[key] = max(self._sizes.get(key, 0), numel)
-
-    def get(self, role: str, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        device = torch.device(device)
-        key = (role, dtype, device)
-        buf = self._buffers.get(key)
-        if buf is None:
-            buf = torch.empty(self._sizes.get((dtype, device), 0), dtype=dtype, device=device)
-            self._buffers[key] = buf
-        return buf
-
-    def nbytes(self) -> int:
-        """Bytes of the buffers allocated so far (gradient buffers appear at the first backward)."""
-        return sum(b.numel() * b.element_size() for b in self._buffers.values())
-
-    def capacity_bytes(self) -> int:
-        """Bytes all four buffers take once allocated."""
-        return sum(len(self.ROLES) * n * torch.empty(0, dtype=dt).element_size()
-                   for (dt, _), n in self._sizes.items())
+    @contextmanager
+    def lease(self, count: int, numel: int, dtype: torch.dtype, device: torch.device) -> Iterator[list[torch.Tensor]]:
+        bufs = [torch.empty(numel, dtype=dtype, device=device) for _ in range(count)]
+        nbytes = count * numel * bufs[0].element_size() if count else 0
+        self.live_bytes += nbytes
+        self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+        try:
+            yield bufs
+        finally:
+            self.live_bytes -= nbytes

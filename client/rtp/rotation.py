@@ -52,8 +52,7 @@ def rotate_forward(layer: RotatingShard, call: Any, inputs: Sequence[torch.Tenso
                    own: Sequence[torch.Tensor], rng: RngReplay | None) -> tuple[torch.Tensor, ...]:
     n, rule = layer.n_shards, layer.rule
     combiners = [Combiner(how) for how in rule.combines(layer, call)]
-    bufs = [layer.buffers.get(role, layer.dtype, layer.device) for role in ("weights0", "weights1")] if n > 1 else []
-    with layer.rotating(Position.ROTATING_FORWARD):
+    with layer.lease(2) as bufs, layer.rotating(Position.ROTATING_FORWARD):
         # The owned shard is sent as a copy: the parameters never leave home.
         cur = layer.pack(own, bufs[0], layer.rank) if n > 1 else None
         for k in range(n):
@@ -81,22 +80,24 @@ def rotate_backward(layer: RotatingShard, call: Any, inputs: Sequence[torch.Tens
     how = rule.combines(layer, call)[0]
     dx = [torch.zeros(x.shape, dtype=x.dtype, device=x.device) if need else None
           for x, need in zip(inputs, need_in)]
-    own = [p.detach() for p in layer.own()]
-    wbufs = [layer.buffers.get(r, layer.dtype, layer.device) for r in ("weights0", "weights1")] if n > 1 else []
-    gbufs = [layer.buffers.get(r, layer.dtype, layer.device) for r in ("grads0", "grads1")] if n > 1 and need_w else []
+    # A first layer (no input gradient) whose weight gradient does not read the weights
+    # needs only the accumulators to travel.
+    with_weights = rule.backward_needs_weights(layer, call, need_in)
+    own = [p.detach() for p in layer.own()] if with_weights else None
     final: torch.Tensor | None = None
     grads_moving = None
-    with (rng.fork() if rng is not None else contextlib.nullcontext()), \
+    with layer.lease(2 if with_weights else 0) as wbufs, layer.lease(2 if need_w else 0) as gbufs, \
+            (rng.fork() if rng is not None else contextlib.nullcontext()), \
             layer.rotating(Position.ROTATING_BACKWARD):
-        cur = layer.pack(own, wbufs[0], rank) if n > 1 else None
+        cur = layer.pack(own, wbufs[0], rank) if wbufs else None
         for k in range(n):
             s = layer.shard_at(k, BACKWARD)
             layer.visiting = s
             weights_moving = nxt = None
-            if k < n - 1:
+            if wbufs and k < n - 1:
                 nxt = wbufs[(k + 1) % 2][: layer.numel(layer.shard_at(k + 1, BACKWARD))]
                 weights_moving = ring.shift(cur, nxt, BACKWARD, TAG_WEIGHTS)
-            w = own if k == 0 else layer.views(cur, s)
+            w = None if own is None else own if k == 0 else layer.views(cur, s)
             if rng is not None:
                 rng.restore(s)
             add_grad = rule.backward_piece(layer, call, inputs, w, s, how.grad(gy, s), dx, need_w)

@@ -124,11 +124,16 @@ class ShardRule:
         """Whether a piece draws random numbers (dropout): then backward replays the RNG state."""
         return False
 
+    def backward_needs_weights(self, layer: RotatingShard, call: Any, need_in: Sequence[bool]) -> bool:
+        """Whether backward must see the weights; if not, only gradient accumulators travel."""
+        return True
+
     def backward_piece(self, layer: RotatingShard, call: Any, inputs: Sequence[torch.Tensor],
-                       w: list[torch.Tensor], s: int, gy: torch.Tensor,
+                       w: list[torch.Tensor] | None, s: int, gy: torch.Tensor,
                        dx: list[torch.Tensor | None], need_w: bool) -> GradAdder | None:
         """Add shard `s`'s input-gradient contribution into `dx`; return a function that adds its
-        weight gradient into the travelling accumulator (called once that has arrived).
+        weight gradient into the travelling accumulator (called once that has arrived). `w` is
+        None when `backward_needs_weights` said no.
 
         The default recomputes the piece under autograd; rules with a closed form override it
         so the weight gradient is written straight into the accumulator, with no temporary.

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from typing import Any
 
 import torch
@@ -46,7 +46,6 @@ class RotatingShard:
         self._numels = [[p.split.numel(s) for p in plan.params] for s in range(n)]
         first = self.own()[0]
         self.dtype, self.device = first.dtype, first.device
-        buffers.reserve(self.max_numel, self.dtype, self.device)
 
     @property
     def rank(self) -> int:
@@ -88,6 +87,10 @@ class RotatingShard:
         for view, t in zip(self.views(flat, s), tensors):
             view.copy_(t)
         return flat[: self.numel(s)]
+
+    def lease(self, count: int) -> AbstractContextManager[list[torch.Tensor]]:
+        """`count` flat buffers, each large enough for any shard of this layer."""
+        return self.buffers.lease(count if self.n_shards > 1 else 0, self.max_numel, self.dtype, self.device)
 
     @contextmanager
     def rotating(self, position: Position) -> Iterator[None]:

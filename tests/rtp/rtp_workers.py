@@ -93,7 +93,7 @@ def train_and_compare(case_name: str, out: Path, steps: int, group: dist.Process
         if step == steps:
             res["state"] = rtp.state_bytes(opt)
             res["whole_state"] = state_bytes(ref, ref_opt)
-            res["ring_capacity"] = rtp.ring_buffer_capacity()
+            res["ring_bound"] = rtp.ring_buffer_bound()
             res["largest_shard_bytes"] = max(
                 layer.max_numel * layer.dtype.itemsize for layer in rtp.rotating_layers)
             break

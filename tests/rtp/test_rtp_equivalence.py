@@ -89,15 +89,16 @@ def test_model_state_bytes_per_rank_within_ten_percent_of_one_nth(ranks):
     assert total == whole.parameters + whole.gradients
 
 
-def test_ring_buffers_are_two_weight_shards_and_two_accumulators_of_the_largest_layer(ranks):
+def test_ring_buffers_peak_at_two_weight_shards_and_two_accumulators_of_the_largest_layer(ranks):
     n, results = ranks
     for res in results:
         for model in MODELS:
             r = res[model]
-            assert r["ring_capacity"] == 4 * r["largest_shard_bytes"]
-            assert r["state"].ring_buffers <= r["ring_capacity"]
-            # what a rank holds in all is about 1/N of the model state plus those buffers
-            assert r["state"].total <= 1.1 * r["whole_state"].model_state / n + r["ring_capacity"] or model == "cnn"
+            assert r["ring_bound"] == 4 * r["largest_shard_bytes"]
+            # the largest layer of each model needs its weights in backward, so the bound is met
+            assert r["state"].ring_buffers == r["ring_bound"], model
+        r = res["gpt"]  # all a rank holds: its 1/N of the model state plus those buffers
+        assert r["state"].total <= 1.1 * r["whole_state"].model_state / n + r["ring_bound"]
 
 
 def test_unsupported_layer_stays_replicated_with_one_warning(ranks):
