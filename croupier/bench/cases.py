@@ -71,6 +71,17 @@ class System:
             return min(max_reads_per_stream or limits.max_reads_per_stream, window)
         return max(1, self.workers)  # every worker reads one sample at a time
 
+    def warmup_batches(self) -> int:
+        """Batches that may arrive in a burst after the first, having been read while it was
+        awaited; the steady rate is measured after them."""
+        if self.kind == "croupier":
+            if self.ordered:
+                return 2
+            from croupier.server.scheduler import FetchLimits
+
+            return (self.prefetch or FetchLimits().default_prefetch) + 1 + 4  # server window + Loader buffer
+        return max(2, 2 * self.workers)  # DataLoader's prefetch_factor 2 per worker
+
 
 CROUPIER = System("croupier unordered", "croupier")
 CROUPIER_ORDERED = System("croupier ordered", "croupier", ordered=True)
@@ -95,6 +106,8 @@ class Case:
     world: int = 2
     max_batches: int = 200
     max_seconds: float = 4.0
+    #: Steady batches wanted after the warm-up ones, time permitting.
+    steady_batches: int = 4
     seed: int = 0
     #: `croupier serve --max-reads-per-stream` (the reads-in-flight curve); None keeps the default.
     max_reads_per_stream: int | None = None
@@ -185,20 +198,20 @@ def run_ranks(jobs: list[RankJob], timeout: float) -> list[dict[str, Any]]:
     return out
 
 
-def steady_window(arrivals: list[float]) -> int:
-    """Batches to leave out of the steady rate: the first 10% (at least one), which carry
-    start-up and the burst of batches read ahead while the first one was awaited."""
-    return max(1, len(arrivals) // 10)
+def steady_skip(arrivals: list[float], warmup: int) -> int:
+    """Batches left out of the steady rate: the warm-up burst, or 10% if more (at least one,
+    and never so many that fewer than two arrivals remain)."""
+    return max(1, min(max(warmup, len(arrivals) // 10), len(arrivals) - 2))
 
 
 def aggregate(case: Case, ranks: list[dict[str, Any]], reads_in_flight: int) -> CaseResult:
-    """Steady throughput: each rank's samples after its first batches over the time they took, summed."""
+    """Steady throughput: each rank's samples after its warm-up batches over the time they took, summed."""
     rate = mb = 0.0
     intervals: list[float] = []
     for r in ranks:
         t = r["arrivals_s"]
         if len(t) > 1:
-            skip = steady_window(t)
+            skip = steady_skip(t, case.system.warmup_batches())
             per_batch = np.asarray(r["batch_samples"], dtype=float)
             span = t[-1] - t[skip - 1]
             steady = per_batch[skip:].sum()
@@ -234,9 +247,10 @@ def run_case(case: Case, paths: dict[str, Path], log: Path) -> CaseResult:
     sysm = case.system
     job = RankJob(system=sysm.kind, dataset=case.dataset, path=str(path), rank=0, world=case.world,
                   batch=case.batch, max_batches=case.max_batches, max_seconds=case.max_seconds,
+                  min_batches=sysm.warmup_batches() + case.steady_batches,
                   workers=sysm.workers, ordered=sysm.ordered, prefetch=sysm.prefetch,
                   latency_ms=case.storage.latency_ms, latency_sigma=SIGMA, seed=case.seed)
-    timeout = case.max_seconds + 120
+    timeout = job.hard_seconds + 120
     in_flight = sysm.reads_in_flight(case.batch, case.max_reads_per_stream)
     if sysm.kind != "croupier":
         return aggregate(case, run_ranks([replace(job, rank=r) for r in range(case.world)], timeout), in_flight)

@@ -17,6 +17,13 @@ def _pyplot():
     return plt
 
 
+def _save(fig: Any, path: Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    _pyplot().close(fig)
+    return path
+
+
 def throughput(report: dict[str, Any], path: Path) -> Path | None:
     """Samples/s (log) and fraction of the ceiling, per dataset: storage on x, one bar per system."""
     datasets = [d for d in DATASET_TITLES if any(r["case"]["dataset"] == d for r in report["cases"])]
@@ -49,10 +56,7 @@ def throughput(report: dict[str, Any], path: Path) -> Path | None:
         axes[1][col].set_ylim(0, 1.1)
         axes[0][col].legend(fontsize=7)
     fig.suptitle(f"croupier bench ({report['suite']}): {report['world']} ranks, batch {report['batch']}")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(fig, path)
 
 
 def in_flight(points: list[dict[str, Any]], latency_ms: float, path: Path) -> Path:
@@ -64,10 +68,7 @@ def in_flight(points: list[dict[str, Any]], latency_ms: float, path: Path) -> Pa
     ax.set(xscale="log", yscale="log", xlabel="reads in flight C", ylabel="samples/s",
            title=f"Throughput vs reads in flight ({latency_ms:g} ms lognormal, 1 rank)")
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(fig, path)
 
 
 def streams(points: list[dict[str, Any]], latency_ms: float, path: Path) -> Path:
@@ -81,10 +82,7 @@ def streams(points: list[dict[str, Any]], latency_ms: float, path: Path) -> Path
     ax2.plot(n, [p["batch_p99_ms"] for p in points], "s--", color="tab:red", label="batch p99 ms")
     ax2.set_ylabel("batch p99 ms")
     fig.legend(loc="upper left", fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(fig, path)
 
 
 def planner(points: list[dict[str, Any]], path: Path) -> Path:
@@ -101,10 +99,7 @@ def planner(points: list[dict[str, Any]], path: Path) -> Path:
     b.plot([p["rows"] for p in np_points], [p["numpy_peak_mb"] for p in np_points], "s--", label="numpy permutation")
     b.set(xscale="log", yscale="log", xlabel="dataset rows", ylabel="peak MB", title="Planner memory")
     b.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(fig, path)
 
 
 def all_plots(report: dict[str, Any], out: Path, stem: str) -> list[str]:

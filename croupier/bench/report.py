@@ -149,25 +149,28 @@ def targets_table(targets: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+#: Per curve: (column title, field, format) of its table.
+CURVE_COLUMNS: dict[str, list[tuple[str, str, str]]] = {
+    "reads_in_flight": [("reads in flight C", "reads_in_flight", "d"), ("samples/s", "samples_per_s", ",.0f"),
+                        ("C/L", "ceiling_c_over_l", ",.0f"), ("of C/L", "fraction", ".0%"),
+                        ("server CPU s/1k", "server_cpu_s_per_1k", ".3f")],
+    "streams": [("streams", "streams", "d"), ("samples/s", "samples_per_s", ",.0f"), ("MB/s", "mb_per_s", ".1f"),
+                ("streams/s", "streams_per_s", ".1f"), ("batch p50 ms", "batch_p50_ms", ".1f"),
+                ("batch p99 ms", "batch_p99_ms", ".1f"), ("server CPU s/1k", "server_cpu_s_per_1k", ".3f"),
+                ("errors", "errors", "d")],
+    "planner": [("rows", "rows", ".0e"), ("first batch ms", "first_batch_ms", ".2f"),
+                ("indices/s", "indices_per_s", ",.0f"), ("plan peak MB", "plan_peak_mb", ".2f"),
+                ("numpy permutation s", "numpy_permutation_s", ".3f"), ("numpy peak MB", "numpy_peak_mb", ",.0f")],
+}
+
+
 def curve_tables(curves: dict[str, Any]) -> list[str]:
     out: list[str] = []
-    if curves.get("reads_in_flight"):
-        out += ["| reads in flight C | samples/s | C/L | of C/L | server CPU s/1k |", "|---|---|---|---|---|"]
-        out += [f"| {p['reads_in_flight']} | {p['samples_per_s']:,.0f} | {p['ceiling_c_over_l']:,.0f} "
-                f"| {100 * p['fraction']:.0f}% | {_f(p['server_cpu_s_per_1k'], '.3f')} |" for p in curves["reads_in_flight"]]
-        out.append("")
-    if curves.get("streams"):
-        out += ["| streams | samples/s | MB/s | streams/s | batch p50 ms | batch p99 ms | server CPU s/1k | errors |",
-                "|---|---|---|---|---|---|---|---|"]
-        out += [f"| {p['streams']} | {p['samples_per_s']:,.0f} | {p['mb_per_s']:.1f} | {p['streams_per_s']:.1f} "
-                f"| {_f(p['batch_p50_ms'], '.1f')} | {_f(p['batch_p99_ms'], '.1f')} | {p['server_cpu_s_per_1k']:.3f} "
-                f"| {p['errors']} |" for p in curves["streams"]]
-        out.append("")
-    if curves.get("planner"):
-        out += ["| rows | first batch ms | indices/s | plan peak MB | numpy permutation s | numpy peak MB |",
-                "|---|---|---|---|---|---|"]
-        out += [f"| {p['rows']:.0e} | {p['first_batch_ms']:.2f} | {p['indices_per_s']:,.0f} | {p['plan_peak_mb']:.2f} "
-                f"| {_f(p['numpy_permutation_s'], '.3f')} | {_f(p['numpy_peak_mb'], ',.0f')} |" for p in curves["planner"]]
+    for name, columns in CURVE_COLUMNS.items():
+        if not curves.get(name):
+            continue
+        out += ["| " + " | ".join(title for title, _, _ in columns) + " |", "|---" * len(columns) + "|"]
+        out += ["| " + " | ".join(_f(p[key], fmt) for _, key, fmt in columns) + " |" for p in curves[name]]
         out.append("")
     return out
 
@@ -196,9 +199,11 @@ def markdown(report: dict[str, Any], plots: list[str]) -> str:
         "`__getitem__` (or each WebDataset sample) for the others; *cold disk*: every file dropped from the page cache "
         "(fsync + posix_fadvise DONTNEED) before the case.",
         "",
-        "Figures: samples/s and MB/s are steady-state, at the trainer: each rank's batches after its first 10% "
-        "(at least one, which carry start-up and the batches read ahead meanwhile) over the time they took, "
-        "summed over ranks; MB are those of the collated batch (tensors and strings). First batch: from building the "
+        "Figures: samples/s and MB/s are steady-state, at the trainer: each rank's batches after its warm-up "
+        "ones (those that can pile up while the first is awaited: croupier's read-ahead window plus the Loader's "
+        "4-batch buffer; 2 per DataLoader worker; 2 for croupier ordered and 0 workers; or the first 10% if more) "
+        "over the time they took, summed over ranks; each rank runs until it has 4 batches past its warm-up and "
+        "at least the case's seconds since its first batch (15 s at most); MB are those of the collated batch (tensors and strings). First batch: from building the "
         "loader (modules already imported) to the first batch. Batch p50/p99: intervals between batches at a rank. "
         "CPU s/1k samples: all CPU of the trainer processes, their workers and the server, per 1,000 samples "
         "(server alone in brackets). C: reads in flight over all ranks; C/L its ceiling with mean latency L; "

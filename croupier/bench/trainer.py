@@ -2,8 +2,9 @@
 
     python -m croupier.bench.trainer '<RankJob as JSON>'
 
-It builds the loader of the system under test, takes batches until `max_batches` or until
-`max_seconds` after the first, and prints one JSON line of what it measured at the trainer: when each
+It builds the loader of the system under test, takes batches until `max_batches`, or
+`max_seconds` after the first once it has `min_batches` (slow systems need a few
+intervals for a rate), or `hard_seconds` after the first, and prints one JSON line of what it measured at the trainer: when each
 batch arrived, samples and bytes, CPU seconds of this process and its workers, peak RSS.
 No training step: the figures are those of the data path alone.
 """
@@ -28,7 +29,11 @@ class RankJob:
     world: int
     batch: int
     max_batches: int
+    #: Stop this long after the first batch, once `min_batches` have arrived ...
     max_seconds: float
+    min_batches: int = 5
+    #: ... and in any case this long after the first batch.
+    hard_seconds: float = 15.0
     workers: int = 0
     ordered: bool = False
     prefetch: int = 0
@@ -106,7 +111,9 @@ def run(job: RankJob) -> dict[str, Any]:
             arrivals.append(now)
             batch_samples.append(n)
             nbytes += b
-            if len(arrivals) >= job.max_batches or now - arrivals[0] >= job.max_seconds:
+            elapsed = now - arrivals[0]
+            enough = len(arrivals) >= job.min_batches and elapsed >= job.max_seconds
+            if len(arrivals) >= job.max_batches or enough or elapsed >= job.hard_seconds:
                 break
         workers_rss = tree_private_rss_mb()  # before the workers exit
     finally:
