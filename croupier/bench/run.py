@@ -39,12 +39,13 @@ def code_state() -> str:
 
     def git(*args: str) -> str:
         try:
-            return subprocess.run(["git", *args], capture_output=True, text=True, timeout=10).stdout.strip()
+            return subprocess.run(["git", *args], capture_output=True, text=True, timeout=10).stdout
         except (OSError, subprocess.TimeoutExpired):
             return ""
 
-    head = git("rev-parse", "--short", "HEAD") or "unknown"
-    dirty = [line[3:] for line in git("status", "--porcelain", "--", "server", "client", "croupier", "protos").splitlines()]
+    head = git("rev-parse", "--short", "HEAD").strip() or "unknown"
+    status = git("status", "--porcelain", "--untracked-files=no", "--", "server", "client", "croupier", "protos")
+    dirty = [line[3:] for line in status.splitlines() if line.strip()]
     return head + (f" with uncommitted changes in {', '.join(dirty)}" if dirty else "")
 
 
