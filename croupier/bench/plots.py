@@ -30,7 +30,7 @@ def throughput(report: dict[str, Any], path: Path) -> Path | None:
     if not datasets:
         return None
     plt = _pyplot()
-    fig, axes = plt.subplots(2, len(datasets), figsize=(6 * len(datasets), 8), squeeze=False)
+    fig, axes = plt.subplots(2, len(datasets), figsize=(6 * len(datasets), 9.5), squeeze=False)
     for col, ds in enumerate(datasets):
         rows = [r for r in report["cases"] if r["case"]["dataset"] == ds and not r.get("error")]
         storages = list(dict.fromkeys(r["case"]["storage"]["name"] for r in rows))
@@ -54,7 +54,8 @@ def throughput(report: dict[str, Any], path: Path) -> Path | None:
         axes[0][col].set_ylabel("samples/s (log)")
         axes[1][col].set_ylabel("fraction of ceiling")
         axes[1][col].set_ylim(0, 1.1)
-        axes[0][col].legend(fontsize=7)
+        handles, labels = axes[0][col].get_legend_handles_labels()
+        axes[1][col].legend(handles, labels, fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.22), ncol=1)
     fig.suptitle(f"croupier bench ({report['suite']}): {report['world']} ranks, batch {report['batch']}")
     return _save(fig, path)
 
