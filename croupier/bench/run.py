@@ -53,7 +53,9 @@ def run_suite(suite: Suite, out: Path, data_dir: Path, command: str, say: Callab
               only: str = "") -> dict[str, Any]:
     t0 = time.perf_counter()
     out.mkdir(parents=True, exist_ok=True)
-    log = out / f"{suite.name}-server.log"
+    import tempfile
+
+    log = Path(tempfile.gettempdir()) / f"croupier-bench-{suite.name}-server.log"  # not a result: kept out of `out`
     log.write_text("")
     rep: dict[str, Any] = {
         "suite": suite.name, "command": command, "machine": machine(), "code": code_state(),
