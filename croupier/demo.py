@@ -128,7 +128,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
                 summary_json=args.summary_json, timeout_s=args.timeout,
             )
             _say(f"{args.world_size} ranks (gloo), each holding 1/{args.world_size} of the model (RTP); "
-                 f"{args.epochs} epochs of batch {args.batch_size} per rank, "
+                 f"{args.epochs} epoch{'s' if args.epochs != 1 else ''} of batch {args.batch_size} per rank, "
                  f"{'ordered' if args.ordered else 'unordered'} fetching")
             ranks = RankGroup("croupier.demo_train", opts.to_argv(), args.world_size, Path(tmp))
             codes = ranks.wait(args.timeout)

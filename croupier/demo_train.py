@@ -137,7 +137,8 @@ def evaluate(model: torch.nn.Module, loader: Loader, opts: TrainOptions) -> tupl
 
 def train(opts: TrainOptions) -> Summary | None:
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-    use_cuda = torch.cuda.is_available()
+    # NCCL needs a GPU per rank on this node; with fewer, all ranks train on CPUs over gloo.
+    use_cuda = torch.cuda.is_available() and torch.cuda.device_count() >= int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if use_cuda else "cpu")
     dist.init_process_group("nccl" if use_cuda else "gloo", rank=rank, world_size=world,
                             timeout=timedelta(seconds=opts.timeout_s))

@@ -118,7 +118,8 @@ def validate(model: torch.nn.Module, loader: Loader, device: torch.device) -> fl
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    use_cuda = torch.cuda.is_available()
+    # NCCL needs a GPU per rank on this node; with fewer, all ranks train on CPUs over gloo.
+    use_cuda = torch.cuda.is_available() and torch.cuda.device_count() >= int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     device = torch.device(f"cuda:{local_rank}" if use_cuda else "cpu")
     if use_cuda:
