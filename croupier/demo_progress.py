@@ -22,13 +22,14 @@ FIELDS = ("samples", "train_s", "wait_s", "out_of_order", "epoch_loss_sum", "epo
           "epoch_seen")
 
 
-def gather_rows(row: dict[str, float], rank: int, world_size: int) -> list[dict[str, float]]:
-    """Every rank's `row`, on every rank (one all-reduce of a [world, fields] tensor)."""
-    table = torch.zeros(world_size, len(FIELDS), dtype=torch.float64)
+def gather_rows(row: dict[str, float], rank: int, world_size: int,
+                device: torch.device | None = None) -> list[dict[str, float]]:
+    """Every rank's `row`, on every rank (one all-reduce of a [world, fields] tensor on `device`)."""
+    table = torch.zeros(world_size, len(FIELDS), dtype=torch.float64, device=device)
     table[rank] = torch.tensor([float(row[f]) for f in FIELDS], dtype=torch.float64)
     if world_size > 1:
         dist.all_reduce(table)
-    return [dict(zip(FIELDS, r.tolist())) for r in table]
+    return [dict(zip(FIELDS, r)) for r in table.tolist()]
 
 
 def _rates(rows: list[dict[str, float]]) -> list[float]:
@@ -129,7 +130,7 @@ class Summary:
         lines = [
             "croupier demo: summary",
             f"  {acc}",
-            f"  training: {self.epochs} epochs, {self.train_samples:,} samples in {self.train_s:.1f}s, "
+            f"  training: {self.epochs} epoch{'s' if self.epochs != 1 else ''}, {self.train_samples:,} samples in {self.train_s:.1f}s, "
             f"{self.samples_per_s:,.0f} samples/s ({per_rank}); final loss {self.final_train_loss:.4f}",
             f"  out of order: {self.out_of_order:,} of {self.train_samples:,} samples arrived before an "
             f"earlier sample of their batch",

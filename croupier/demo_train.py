@@ -154,12 +154,15 @@ def _train(opts: TrainOptions, rank: int, world: int, device: torch.device) -> S
     if num_classes < 2:
         raise SystemExit(f"croupier demo: dataset {opts.train!r} has no class list; pass --num-classes")
     loader = _loader(opts, opts.train, rank, world, device)
-    steps = len(loader)
-    progress = Progress(opts.epochs, steps, show=rank == 0)
+    progress = Progress(opts.epochs, len(loader), show=rank == 0)  # len() before iterating: it asks the server
     model: torch.nn.Module | None = None
     optimizer: torch.optim.Optimizer | None = None
     train_s = 0.0
     row: dict[str, float] = {}
+
+    def gather() -> list[dict[str, float]]:
+        return gather_rows(_with_stats(row, loader, train_s), rank, world, device)
+
     for epoch in range(opts.epochs):
         loader.set_epoch(epoch)
         row = dict(epoch_loss_sum=0.0, epoch_steps=0, epoch_correct=0, epoch_seen=0)
@@ -167,7 +170,7 @@ def _train(opts: TrainOptions, rank: int, world: int, device: torch.device) -> S
         for b in loader.batches():
             x, y = batch_inputs(b.data, opts.label_column, opts.features)
             if model is None:  # built from the first batch: its shape decides CNN or MLP
-                torch.manual_seed(opts.seed)  # the same initial weights on every rank
+                torch.manual_seed(opts.seed)  # reproducible initial weights
                 model = _shard(build_model(x, num_classes).to(device))
                 optimizer = torch.optim.AdamW(model.parameters(), lr=opts.lr, weight_decay=1e-4)
             assert optimizer is not None
@@ -180,25 +183,32 @@ def _train(opts: TrainOptions, rank: int, world: int, device: torch.device) -> S
             row["epoch_steps"] += 1
             row["epoch_correct"] += int((logits.argmax(1) == y).sum())
             row["epoch_seen"] += len(y)
-            now = time.perf_counter()
-            train_s, t = train_s + now - t, now
-            rows = gather_rows(_with_stats(row, loader, train_s), rank, world)
-            progress.step(epoch, rows)
-            t = time.perf_counter()
-        progress.end_epoch(epoch, gather_rows(_with_stats(row, loader, train_s), rank, world))
+            train_s += time.perf_counter() - t
+            progress.step(epoch, gather())
+            t = time.perf_counter()  # the progress all-reduce is not training time
+        progress.end_epoch(epoch, gather())
     progress.close()
     assert model is not None, "the training set gave no batch"
-    rows = gather_rows(_with_stats(row, loader, train_s), rank, world)
+    rows = gather()
     correct = total = 0
     if opts.test:
         correct, total = evaluate(model, _loader(opts, opts.test, rank, world, device), opts)
-        counts = torch.tensor([correct, total], dtype=torch.int64)
+        counts = torch.tensor([correct, total], dtype=torch.int64, device=device)
         dist.all_reduce(counts)
-        correct, total = (int(v) for v in counts)
+        correct, total = (int(v) for v in counts.tolist())
     if rank != 0:
         return None
+    summary = _summary(opts, rows, correct, total, loader, info.num_rows, world)
+    print(summary.text(), flush=True)
+    if opts.summary_json:
+        summary.write_json(opts.summary_json)
+    return summary
+
+
+def _summary(opts: TrainOptions, rows: list[dict[str, float]], correct: int, total: int, loader: Loader,
+             num_rows: int, world: int) -> Summary:
     rates = [r["samples"] / r["train_s"] if r["train_s"] else 0.0 for r in rows]
-    summary = Summary(
+    return Summary(
         accuracy=correct / total if total else None,
         test_correct=correct,
         test_samples=total,
@@ -211,15 +221,11 @@ def _train(opts: TrainOptions, rank: int, world: int, device: torch.device) -> S
         wait_s_by_rank=[r["wait_s"] for r in rows],
         first_batch_s=loader.stats.first_batch_s,
         final_train_loss=sum(r["epoch_loss_sum"] for r in rows) / max(1.0, sum(r["epoch_steps"] for r in rows)),
-        dataset=f"{info.num_rows:,} rows of {opts.train}" + (f" (held out: {opts.test})" if opts.test else ""),
+        dataset=f"{num_rows:,} rows of {opts.train}" + (f" (held out: {opts.test})" if opts.test else ""),
         servers=list(opts.servers),
         ordered=opts.ordered,
         world_size=world,
     )
-    print(summary.text(), flush=True)
-    if opts.summary_json:
-        summary.write_json(opts.summary_json)
-    return summary
 
 
 def _with_stats(row: dict[str, float], loader: Loader, train_s: float) -> dict[str, float]:
