@@ -63,6 +63,10 @@ class LoaderStats:
     errors: list[str] = field(default_factory=list)
 
 
+async def _make_semaphore(value: int) -> asyncio.Semaphore:
+    return asyncio.Semaphore(value)  # created on the loop that will use it
+
+
 def _distributed_default() -> tuple[int, int]:
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         return torch.distributed.get_rank(), torch.distributed.get_world_size()
@@ -222,11 +226,20 @@ class Loader:
             from croupier.server.planner import EpochPlan
 
             async def rows() -> int:
-                conn = Connection(self.servers[self.rank % len(self.servers)])
-                try:
-                    return (await conn.describe(self.options.dataset)).num_rows
-                finally:
-                    await conn.close()
+                # The first replica that answers, starting with this rank's own.
+                errors = []
+                for k in range(len(self.servers)):
+                    address = self.servers[(self.rank + k) % len(self.servers)]
+                    conn = Connection(address)
+                    try:
+                        return (await conn.describe(self.options.dataset)).num_rows
+                    except grpc.aio.AioRpcError as exc:
+                        if exc.code() not in RETRYABLE:
+                            raise LoaderError(f"{address}: {exc.code().name}: {exc.details()}", exc.code()) from None
+                        errors.append(f"{address}: {exc.code().name}")
+                    finally:
+                        await conn.close()
+                raise LoaderError(f"no server answered for dataset {self.options.dataset!r}: {errors}")
 
             o = self.options
             n = asyncio.run_coroutine_threadsafe(rows(), self._network_loop()).result(60)
@@ -370,36 +383,28 @@ class Loader:
         start, ahead = self._start()
         if start == 0:
             self._next_batch, self._ahead = 0, set()
-        q: queue.Queue[tuple[str, Any]] = queue.Queue(maxsize=self.buffer_batches)
-        stop = threading.Event()
+        loop = self._network_loop()
+        q: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
+        # Free places in the hand-off buffer, counted on the loop's side so that a full
+        # buffer suspends the producer instead of blocking the Loader's event loop.
+        free = asyncio.run_coroutine_threadsafe(_make_semaphore(self.buffer_batches), loop).result(30)
 
-        def put(item: tuple[str, Any]) -> bool:
-            while not stop.is_set():
-                try:
-                    q.put(item, timeout=0.05)
-                    return True
-                except queue.Full:
-                    continue
-            return False
-
-        async def produce() -> None:
+        async def run() -> None:
             gen = self._raw_batches(start, ahead)
             try:
                 async for raw in gen:
+                    await free.acquire()
                     # Collate here, in the network thread: it overlaps the training step.
-                    if not put(("batch", self._collate(raw))):
-                        return
+                    q.put(("batch", self._collate(raw)))
+                q.put(("end", None))
+            except asyncio.CancelledError:
+                raise
+            except BaseException as exc:  # handed to the consumer, which raises it
+                q.put(("error", exc))
             finally:
                 await gen.aclose()
 
-        async def run() -> None:
-            try:
-                await produce()
-                put(("end", None))
-            except BaseException as exc:  # handed to the consumer, which raises it
-                put(("error", exc))
-
-        future = asyncio.run_coroutine_threadsafe(run(), self._network_loop())
+        future = asyncio.run_coroutine_threadsafe(run(), loop)
         try:
             while True:
                 w = time.perf_counter()
@@ -409,13 +414,14 @@ class Loader:
                     return
                 if kind == "error":
                     raise value
+                loop.call_soon_threadsafe(free.release)
                 self._handed_out(value, t0)
                 yield value
         finally:
-            stop.set()
+            future.cancel()
             try:
                 future.result(timeout=30)
-            except BaseException:  # already reported through the queue, or torn down
+            except BaseException:  # cancelled, already reported through the queue, or torn down
                 pass
 
     def _network_loop(self) -> asyncio.AbstractEventLoop:

@@ -202,3 +202,17 @@ def test_client_disconnecting_mid_stream_leaves_other_streams_alone(serve_inproc
     assert metrics.active_streams._value.get() == 0
     cancelled = metrics.streams_total.labels("CANCELLED")._value.get()
     assert cancelled == 1
+
+
+def test_len_during_iteration_and_an_early_break_do_not_block(serve_inprocess) -> None:
+    srv = serve_inprocess(datasets=["rows=synthetic:2000"])
+    # rank 0 starts on the dead address: len() and the stream both fail over to the live one
+    loader = Loader("rows", servers=["127.0.0.1:1", srv.address], rank=0, world_size=2, batch_size=10,
+                    buffer_batches=1)
+    for i, _ in enumerate(loader):
+        assert len(loader) == 100  # the hand-off buffer is full here: the loop must still answer
+        if i == 3:
+            break
+    state = loader.state_dict()
+    assert state["next_batch"] == 4
+    assert [b.batch for b in loader.batches()][:1] == [4]
