@@ -20,6 +20,10 @@ Flags override the config file; the config file is YAML with the same names
 
 
 def _serve_parser(sub: argparse._SubParsersAction) -> None:
+    from croupier.server.config import ServerConfig
+
+    d = ServerConfig()  # the defaults the help text quotes
+    lim = d.limits
     p = sub.add_parser("serve", help="run the data server", description=SERVE_HELP,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("datasets", nargs="*", metavar="DATASET", help="datasets to serve (see above)")
@@ -35,16 +39,17 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
                    help="folder clients may stream paths from; dataset paths must lie under one (repeatable)")
     g.add_argument("--cache-dir", help="where tar offset indexes go when the data folder is read-only")
     g = p.add_argument_group("concurrency and memory")
-    g.add_argument("--max-reads", type=int, help="sample reads in flight over all streams (default 4096)")
-    g.add_argument("--max-reads-per-stream", type=int, help="sample reads in flight per stream (default 512)")
+    g.add_argument("--max-reads", type=int, help=f"sample reads in flight over all streams (default {d.max_reads})")
+    g.add_argument("--max-reads-per-stream", type=int, help=f"sample reads in flight per stream (default {lim.max_reads_per_stream})")
     g.add_argument("--prefetch", type=int, dest="default_prefetch",
-                   help="batches read ahead when the client does not say (default 2)")
+                   help=f"batches reads may run ahead of the oldest unsent one, when the client "
+                   f"does not say (default {lim.default_prefetch})")
     g.add_argument("--max-buffered-mb", type=float,
-                   help="completed-but-unsent bytes per stream before reading pauses (default 64)")
-    g.add_argument("--chunk-samples", type=int, help="samples per message at most (default 64)")
-    g.add_argument("--chunk-kb", type=int, help="payload KiB per message before it is flushed (default 4096)")
-    g.add_argument("--flush-delay-ms", type=float, help="longest a completed sample waits for its chunk (default 2)")
-    g.add_argument("--workers", type=int, help="threads for blocking work: pyarrow, Pillow (default 4)")
+                   help=f"completed-but-unsent MiB per stream before reading pauses (default {lim.max_buffered_bytes >> 20})")
+    g.add_argument("--chunk-samples", type=int, help=f"samples per message at most (default {lim.chunk_samples})")
+    g.add_argument("--chunk-kb", type=int, help=f"payload KiB per message before it is flushed (default {lim.chunk_bytes >> 10})")
+    g.add_argument("--flush-delay-ms", type=float, help=f"longest a completed sample waits for its chunk (default {lim.flush_delay_s * 1000:g})")
+    g.add_argument("--workers", type=int, help=f"threads for blocking work: pyarrow, Pillow (default {d.workers})")
     g = p.add_argument_group("injected storage latency (benchmarks)")
     g.add_argument("--latency-ms", type=float, help="median latency added to every read (default none)")
     g.add_argument("--latency-distribution", choices=["lognormal", "uniform", "fixed"], help="(default lognormal)")

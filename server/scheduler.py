@@ -35,14 +35,20 @@ from .readers.base import Payload, Reader
 
 @dataclass(frozen=True)
 class FetchLimits:
-    """Concurrency and buffering knobs of one stream (server-wide ones live in the service)."""
+    """Concurrency and buffering knobs of one stream (server-wide ones live in the service).
 
-    max_reads_per_stream: int = 512
+    `default_prefetch` is how far ahead reads may go (batches past the oldest one not
+    yet sent); `max_reads_per_stream` is how many are in flight at once. A read-ahead
+    horizon wider than the in-flight bound keeps the bound busy while a batch waits
+    for its slowest read, instead of letting the pipeline drain behind the straggler.
+    """
+
+    max_reads_per_stream: int = 256
     max_buffered_bytes: int = 64 << 20
     chunk_samples: int = 64
     chunk_bytes: int = 4 << 20
     flush_delay_s: float = 0.002
-    default_prefetch: int = 4
+    default_prefetch: int = 16
 
     def __post_init__(self) -> None:
         for name in ("max_reads_per_stream", "max_buffered_bytes", "chunk_samples", "chunk_bytes"):
