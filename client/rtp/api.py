@@ -22,6 +22,9 @@ from .shard import RotatingShard
 from .split import Split
 
 
+DEFAULT_CHUNK_BYTES = 16 * 2**20
+
+
 def _device_for(ring: Ring, module: nn.Module, device: torch.device | str | None) -> torch.device:
     if device is not None:
         return torch.device(device)
@@ -59,10 +62,10 @@ class RotatedTensorParallel(nn.Module):
     per-rank mean loss they equal a single process's gradients on the concatenated
     batch with the mean loss. Replicated parameters' gradients are averaged the same way.
 
-    Memory per rank: 1/N of parameters, gradients and optimizer state, plus four
-    flat buffers sized for the largest layer shard (two weight shards in flight, and in
-    backward two gradient accumulators). Activations are as in data parallel; attention
-    recomputes its per-head activations in backward.
+    Memory per rank: 1/N of parameters, gradients and optimizer state, plus, only while
+    a layer rotates, two weight shards in flight (and in backward two gradient
+    accumulators), or two slices of at most ``chunk_bytes`` for a large layer. Activations
+    are as in data parallel; attention recomputes its per-head activations in backward.
 
     Requirements: every rank of the group runs the same layers in the same order for
     every forward and backward (as FSDP). Parameters of sharded layers are local
@@ -76,10 +79,13 @@ class RotatedTensorParallel(nn.Module):
             this group's members, so several independent groups can train side by side.
         device: defaults to ``cuda:LOCAL_RANK`` with NCCL, else where the module is.
         sync_module_states: start every rank from group rank 0's parameters and buffers.
+        chunk_bytes: a Linear, Embedding, LayerNorm or ungrouped Conv2d whose shard is larger
+            rotates in slices of about this size, bounding the bytes in flight (None: never).
     """
 
     def __init__(self, module: nn.Module, process_group: ProcessGroup | None = None, *,
-                 device: torch.device | str | None = None, sync_module_states: bool = True):
+                 device: torch.device | str | None = None, sync_module_states: bool = True,
+                 chunk_bytes: int | None = DEFAULT_CHUNK_BYTES):
         super().__init__()
         ring = Ring(process_group)
         module.to(_device_for(ring, module, device))
@@ -93,7 +99,8 @@ class RotatedTensorParallel(nn.Module):
         self._splits: dict[int, Split] = {}
         self._shard_parameters(plan)
         self.rotating_layers: list[RotatingShard] = [
-            RotatingShard(pl.name, pl.module, pl.rule, pl.plan, ring, self._ring_buffers) for pl in plan.layers]
+            RotatingShard(pl.name, pl.module, pl.rule, pl.plan, ring, self._ring_buffers, chunk_bytes)
+            for pl in plan.layers]
         for layer in self.rotating_layers:
             install_rotation(layer)
         self._replicated = [p for p in module.parameters() if id(p) not in self._splits]
@@ -190,6 +197,6 @@ class RotatedTensorParallel(nn.Module):
         return state_bytes(self.module, optimizer, self._ring_buffers.peak_bytes)
 
     def ring_buffer_bound(self) -> int:
-        """Most bytes ring buffers can take: two weight shards and two gradient accumulators
-        of the largest layer shard (reached during that layer's backward)."""
-        return max((4 * layer.max_numel * layer.dtype.itemsize for layer in self.rotating_layers), default=0)
+        """Most bytes ring buffers can take: two weight shards (or slices) and two gradient
+        accumulators of the largest unit that rotates."""
+        return max((4 * layer.max_chunk_numel * layer.dtype.itemsize for layer in self.rotating_layers), default=0)

@@ -38,6 +38,9 @@ class Conv2dRule(ShardRule):
         first_groups = [sum(counts[:s]) for s in range(len(counts))]
         return LayerPlan(params, detail=(counts, first_groups))
 
+    def chunkable(self, plan: LayerPlan) -> bool:
+        return plan.params[0].owner.groups == 1
+
     def forward(self, layer: Any, x: torch.Tensor) -> torch.Tensor:
         m = layer.module
         padding = m.padding

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .rules import Combine, Concat, GradAdder, LayerPlan, ShardedParam, ShardRule, Unsupported
+from .rules import Combine, Concat, GradAdder, LayerPlan, ShardedParam, ShardRule, Unsupported, rows
 from .split import Split, Splitter
 
 COLUMNS = 1
@@ -38,6 +38,9 @@ class EmbeddingRule(ShardRule):
             raise Unsupported("embedding weight tied to a row split")
         return LayerPlan([ShardedParam(module, "weight", weight)])
 
+    def chunkable(self, plan: LayerPlan) -> bool:
+        return True
+
     def forward(self, layer: Any, indices: torch.Tensor) -> torch.Tensor:
         return layer.apply(None, (indices,))
 
@@ -60,7 +63,7 @@ class EmbeddingRule(ShardRule):
         if not need_w:
             return None
         ids = inputs[0].reshape(-1)
-        g2 = gy.reshape(-1, gy.shape[-1])
+        g2 = rows(gy)
 
         def add(acc: list[torch.Tensor]) -> None:
             acc[0].index_add_(0, ids, g2)

@@ -34,6 +34,9 @@ class LayerNormRule(ShardRule):
             params.append(ShardedParam(module, "bias", Split(tuple(module.bias.shape), 0, weight.ranges)))
         return LayerPlan(params)
 
+    def chunkable(self, plan: LayerPlan) -> bool:
+        return True
+
     def forward(self, layer: Any, x: torch.Tensor) -> torch.Tensor:
         m = layer.module
         normalised = F.layer_norm(x, m.normalized_shape, None, None, m.eps)

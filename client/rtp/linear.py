@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.modules.linear import NonDynamicallyQuantizableLinear
 
-from .rules import Combine, Concat, GradAdder, LayerPlan, ShardedParam, ShardRule, Sum, Unsupported
+from .rules import Combine, Concat, GradAdder, LayerPlan, ShardedParam, ShardRule, Sum, Unsupported, rows
 from .split import Split, Splitter
 
 ROWS, COLUMNS = 0, 1
@@ -40,6 +40,9 @@ class LinearRule(ShardRule):
                     else splitter.even(tuple(module.bias.shape), 0))
             params.append(ShardedParam(module, "bias", bias))
         return LayerPlan(params, detail=weight.dim)
+
+    def chunkable(self, plan: LayerPlan) -> bool:
+        return True
 
     def forward(self, layer: Any, x: torch.Tensor) -> torch.Tensor:
         return layer.apply(None, (x,))
@@ -69,17 +72,15 @@ class LinearRule(ShardRule):
                        s: int, gy: torch.Tensor, dx: list[torch.Tensor | None], need_w: bool) -> GradAdder | None:
         x = inputs[0]
         has_bias = len(layer.plan.params) > 1
-        n_in = x.shape[-1]
-        g2 = gy.reshape(-1, gy.shape[-1])
-        x2 = x.reshape(-1, n_in)
+        g2, x2 = rows(gy), rows(x)
         if layer.plan.detail == ROWS:
             if dx[0] is not None:
-                dx[0].view(-1, n_in).addmm_(g2, w[0])
+                rows(dx[0]).addmm_(g2, w[0])
             b_at, b_len = 0, g2.shape[1]
         else:
             at, length = layer.plan.params[0].split.single_range(s)
             if dx[0] is not None:
-                dx[0].view(-1, n_in).narrow(1, at, length).addmm_(g2, w[0])
+                rows(dx[0]).narrow(1, at, length).addmm_(g2, w[0])
             x2 = x2.narrow(1, at, length)
             b_at, b_len = layer.plan.params[1].split.single_range(s) if has_bias else (0, 0)
         if not need_w:

@@ -4,12 +4,15 @@ A rule knows three things about one module type: how to cut its parameters (`pla
 what one shard computes for this rank's input (`forward_piece`), and that shard's
 contribution to the input gradient and to its own weight gradient (`backward_piece`).
 The rotation itself (which shard is where, sends, receives) lives in `rotation.py`.
+The `layer` a piece method receives is a `Chunk`: its `plan` holds the splits of what
+rotates (the whole shards, or one slice of each) and `module` the layer's module.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -63,25 +66,23 @@ class Sum:
 Combine = Concat | Sum
 
 
-@dataclass
 class Combiner:
     """Builds one output from the pieces as they are produced, without keeping them."""
 
-    how: Combine
-    out: torch.Tensor | None = field(default=None)
+    def __init__(self) -> None:
+        self.out: torch.Tensor | None = None
 
-    def add(self, s: int, piece: torch.Tensor) -> None:
-        if isinstance(self.how, Sum):
+    def add(self, how: Combine, s: int, piece: torch.Tensor) -> None:
+        if isinstance(how, Sum):
             # Pieces are fresh tensors, so the first one can become the accumulator.
             self.out = piece if self.out is None else self.out.add_(piece)
             return
-        split, dim = self.how.split, self.how.dim
         if self.out is None:
             shape = list(piece.shape)
-            shape[dim] = split.full_shape[split.dim]
+            shape[how.dim] = how.split.full_shape[how.split.dim]
             self.out = piece.new_empty(shape)
-        at, length = split.single_range(s)
-        self.out.narrow(dim, at, length).copy_(piece)
+        at, length = how.split.single_range(s)
+        self.out.narrow(how.dim, at, length).copy_(piece)
 
     def result(self) -> torch.Tensor:
         assert self.out is not None
@@ -89,6 +90,11 @@ class Combiner:
 
 
 GradAdder = Callable[[list[torch.Tensor]], None]
+
+
+def rows(t: torch.Tensor) -> torch.Tensor:
+    """`t` as a matrix of its last dimension (explicit sizes: a dimension may be 0)."""
+    return t.reshape(math.prod(t.shape[:-1]), t.shape[-1])
 
 
 class ShardRule:
@@ -119,6 +125,11 @@ class ShardRule:
     def forward_piece(self, layer: RotatingShard, call: Any, inputs: Sequence[torch.Tensor],
                       w: list[torch.Tensor], s: int) -> tuple[torch.Tensor, ...]:
         raise NotImplementedError
+
+    def chunkable(self, plan: LayerPlan) -> bool:
+        """Whether a large shard may rotate in slices: each parameter is one range per shard
+        and a slice of the shards computes a slice (or a partial sum) of the output."""
+        return False
 
     def uses_rng(self, layer: RotatingShard, call: Any) -> bool:
         """Whether a piece draws random numbers (dropout): then backward replays the RNG state."""

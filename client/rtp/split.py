@@ -66,6 +66,22 @@ class Split:
                 at += b - a
         return full
 
+    def chunks(self, k: int) -> list[Split]:
+        """Cut every shard's (single) range into `k` consecutive, balanced pieces; piece c of
+        every shard makes chunk c. Rotating chunk by chunk bounds the bytes in flight."""
+        per_shard = []
+        for s in range(self.n_shards):
+            at, length = self.single_range(s)
+            base, spare = divmod(length, k)
+            pieces, start = [], at
+            for c in range(k):
+                n = base + (1 if c < spare else 0)
+                pieces.append(((start, start + n),) if n else ())
+                start += n
+            per_shard.append(pieces)
+        return [Split(self.full_shape, self.dim, tuple(per_shard[s][c] for s in range(self.n_shards)))
+                for c in range(k)]
+
     def single_range(self, s: int) -> tuple[int, int]:
         """(start, length) of shard `s` when it is one contiguous range (empty shards give (0, 0))."""
         if len(self.ranges[s]) > 1:

@@ -27,6 +27,9 @@ from croupier.client.rtp import Position, ReplicatedLayerWarning, RotatedTensorP
 
 MICRO = 2
 STEPS = 5
+# Small enough that the CNN's convolutions and the transformer's embedding/head, MLP and
+# LayerNorms rotate in slices; the MLP rotates whole shards.
+CHUNK_BYTES = {"mlp": None, "cnn": 256, "gpt": 8192}
 
 
 def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -64,7 +67,7 @@ def train_and_compare(case_name: str, out: Path, steps: int, group: dist.Process
     ref = copy.deepcopy(model)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        rtp = RotatedTensorParallel(model, group)
+        rtp = RotatedTensorParallel(model, group, chunk_bytes=CHUNK_BYTES[case_name])
     res: dict[str, Any] = {
         "replicated_warnings": [str(w.message) for w in caught if issubclass(w.category, ReplicatedLayerWarning)],
         "group_rank": rtp.rank, "group_size": rtp.world_size,
@@ -82,6 +85,15 @@ def train_and_compare(case_name: str, out: Path, steps: int, group: dist.Process
         opt.zero_grad()
         loss = case.loss(rtp(micro_batch(x, rank, MICRO)), micro_batch(y, rank, MICRO))
         loss.backward()
+        if dtype == torch.float64:  # clipping by the whole model's norm, reduced over ranks
+            if step == 0:
+                inf_norm = rtp.clip_grad_norm_(1e9, norm_type=float("inf"))
+                want = torch.nn.utils.clip_grad_norm_(ref.parameters(), 1e9, norm_type=float("inf"))
+                res["clip_inf_norm_err"] = rel_err(inf_norm, want)
+            norm = rtp.clip_grad_norm_(0.5)
+            want = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
+            res.setdefault("clip_norm_err", []).append(rel_err(norm, want))
+            res.setdefault("clip_norms", []).append(want.item())
         mean = loss.detach().clone()
         dist.all_reduce(mean, group=group)
         res["loss_err"].append(abs(mean.item() / world - ref_loss.item()) / max(abs(ref_loss.item()), 1e-6))
@@ -94,8 +106,11 @@ def train_and_compare(case_name: str, out: Path, steps: int, group: dist.Process
             res["state"] = rtp.state_bytes(opt)
             res["whole_state"] = state_bytes(ref, ref_opt)
             res["ring_bound"] = rtp.ring_buffer_bound()
+            res["largest_chunk_bytes"] = max(
+                layer.max_chunk_numel * layer.dtype.itemsize for layer in rtp.rotating_layers)
             res["largest_shard_bytes"] = max(
                 layer.max_numel * layer.dtype.itemsize for layer in rtp.rotating_layers)
+            res["n_chunked_layers"] = sum(len(layer.chunks) > 1 for layer in rtp.rotating_layers)
             break
         opt.step()
         ref_opt.step()
