@@ -180,22 +180,26 @@ def server_flags(storage: Storage) -> list[str]:
             "--latency-sigma", f"{SIGMA:g}"]
 
 
-def run_ranks(jobs: list[RankJob], timeout: float) -> list[dict[str, Any]]:
-    """Start every rank at once; each prints one JSON line."""
+def run_ranks(jobs: list[RankJob], timeout: float) -> tuple[list[dict[str, Any]], list[str]]:
+    """Start every rank at once; each prints one JSON line. Returns the results and warnings
+    (a rank that reported and then died on exit: its figures stand, the crash is reported)."""
     procs = [subprocess.Popen([sys.executable, "-m", "croupier.bench.trainer", j.to_json()],
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for j in jobs]
-    out = []
-    for p in procs:
+    out, warnings = [], []
+    for rank, p in enumerate(procs):
         try:
             stdout, stderr = p.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
             for q in procs:
                 q.kill()
             raise RuntimeError(f"a trainer rank ran past {timeout:.0f}s")
+        lines = stdout.strip().splitlines()
+        if not lines or not lines[-1].startswith("{"):
+            raise RuntimeError(f"trainer rank {rank} failed ({p.returncode}):\n{stderr[-3000:]}")
         if p.returncode != 0:
-            raise RuntimeError(f"trainer rank failed ({p.returncode}):\n{stderr[-3000:]}")
-        out.append(json.loads(stdout.strip().splitlines()[-1]))
-    return out
+            warnings.append(f"rank {rank} exited with {p.returncode} after reporting: {stderr.strip()[-300:]}")
+        out.append(json.loads(lines[-1]))
+    return out, warnings
 
 
 def steady_skip(arrivals: list[float], warmup: int) -> int:
@@ -253,7 +257,10 @@ def run_case(case: Case, paths: dict[str, Path], log: Path) -> CaseResult:
     timeout = job.hard_seconds + 120
     in_flight = sysm.reads_in_flight(case.batch, case.max_reads_per_stream)
     if sysm.kind != "croupier":
-        return aggregate(case, run_ranks([replace(job, rank=r) for r in range(case.world)], timeout), in_flight)
+        ranks, warnings = run_ranks([replace(job, rank=r) for r in range(case.world)], timeout)
+        result = aggregate(case, ranks, in_flight)
+        result.extra["warnings"] = warnings
+        return result
     flags = server_flags(case.storage)
     if case.max_reads_per_stream:
         flags += ["--max-reads-per-stream", str(case.max_reads_per_stream)]
@@ -261,7 +268,7 @@ def run_case(case: Case, paths: dict[str, Path], log: Path) -> CaseResult:
     try:
         job = replace(job, path=case.dataset, address=server.address)
         cpu0 = cpu_seconds(server.pid)
-        ranks = run_ranks([replace(job, rank=r) for r in range(case.world)], timeout)
+        ranks, warnings = run_ranks([replace(job, rank=r) for r in range(case.world)], timeout)
         server_cpu = cpu_seconds(server.pid) - cpu0
         server_rss = peak_rss_mb(server.pid)
     finally:
@@ -270,4 +277,5 @@ def run_case(case: Case, paths: dict[str, Path], log: Path) -> CaseResult:
     result.server_cpu_s_per_1k = 1000 * server_cpu / max(result.samples, 1)
     result.cpu_s_per_1k += result.server_cpu_s_per_1k
     result.server_peak_rss_mb = server_rss
+    result.extra["warnings"] = warnings
     return result

@@ -137,7 +137,7 @@ def results_table(results: list[dict[str, Any]], dataset: str) -> str:
             f"| {r['cpu_s_per_1k']:.3f}{server_cpu} | {server_rss} / {r['trainer_peak_rss_mb']:,.0f}{workers} "
             f"| {r['reads_in_flight']} | {_f(r['ceiling_c_over_l'])} | {_f(r['ceiling_decode'])} "
             f"| {_f(r['ceiling_cpu'])} | {_f(100 * r['fraction_of_ceiling'], '.0f')}% ({r['ceiling_binding']}) "
-            f"| {_f(r['vs_best_baseline'], '.2f')}x |"
+            f"| {_f(r['vs_best_baseline'], '.2f')}{'x' if r['vs_best_baseline'] else ''} |"
         )
     return "\n".join(lines)
 
@@ -207,7 +207,8 @@ def markdown(report: dict[str, Any], plots: list[str]) -> str:
         "loader (modules already imported) to the first batch. Batch p50/p99: intervals between batches at a rank. "
         "CPU s/1k samples: all CPU of the trainer processes, their workers and the server, per 1,000 samples "
         "(server alone in brackets). C: reads in flight over all ranks; C/L its ceiling with mean latency L; "
-        f"decode ceiling: one core's measured decode rate ({', '.join(f'{k} {v:,.0f}/s' for k, v in report['decode_rates'].items())}) "
+        f"decode ceiling: one core's measured decode rate, the better of a measurement at the start and one at the end "
+        f"({', '.join(f'{k} {v:,.0f}/s' for k, v in report['decode_rates'].items())}) "
         f"times {m['cores']} cores; CPU ceiling (cases with injected latency): the same system with nothing to wait "
         "for on this machine (croupier: its unordered path with 0 ms injected; others: their page-cache case); "
         "of ceiling: samples/s over the smallest of the three, which is named. "
@@ -239,5 +240,5 @@ def markdown(report: dict[str, Any], plots: list[str]) -> str:
     if plots:
         lines += ["## Plots", ""] + [f"![{p}]({os.path.basename(p)})" for p in plots] + [""]
     if report.get("errors"):
-        lines += ["## Failures", ""] + [f"- {e}" for e in report["errors"]] + [""]
+        lines += ["## Failures and warnings", ""] + [f"- {e}" for e in report["errors"]] + [""]
     return "\n".join(lines)

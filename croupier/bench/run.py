@@ -67,7 +67,6 @@ def run_suite(suite: Suite, out: Path, data_dir: Path, command: str, say: Callab
     data = ensure_data(data_dir, suite.data, log=say)
     paths = data.paths()
     rates = decode_rates(paths, suite.decode_seconds)
-    rep["decode_rates"] = rates
     say("decode rate, one core: " + ", ".join(f"{k} {v:,.0f} samples/s" for k, v in rates.items()))
     cases = [c for c in suite.cases if not only or only in f"{c.dataset} {c.storage.name} {c.system.label}"]
     results: list[dict[str, Any]] = []
@@ -76,14 +75,21 @@ def run_suite(suite: Suite, out: Path, data_dir: Path, command: str, say: Callab
         say(f"[{i}/{len(cases)}] {what} ...")
         t = time.perf_counter()
         try:
-            r = report.derive(run_case(case, paths, log).as_dict(), rates, rep["machine"]["cores"])
+            r = run_case(case, paths, log).as_dict()
         except Exception as exc:  # one failed case is reported; the suite carries on
             rep["errors"].append(f"{what}: {exc}")
             say(f"    failed: {exc}")
             continue
         results.append(r)
+        rep["errors"] += [f"{what}: {w}" for w in r["extra"].get("warnings", [])]
         say(f"    {r['samples_per_s']:,.0f} samples/s, first batch {r['first_batch_s']:.2f} s, "
             f"batch p99 {r['batch_p99_ms']:.0f} ms ({time.perf_counter() - t:.1f} s)")
+    # Measured again at the end: on a shared machine the CPU's best showing is its ceiling.
+    again = decode_rates(paths, suite.decode_seconds)
+    rep["decode_rates_measured"] = {"start": rates, "end": again}
+    rep["decode_rates"] = rates = {k: max(v, again[k]) for k, v in rates.items()}
+    say("decode rate at the end: " + ", ".join(f"{k} {v:,.0f} samples/s" for k, v in again.items()))
+    results = [report.derive(r, rates, rep["machine"]["cores"]) for r in results]
     report.finish(results)
     rep["cases"] = results
     if suite.curves is not None and not only:
