@@ -198,9 +198,14 @@ def report(rows: list[dict[str, Any]], args: argparse.Namespace, command: str) -
         "Columns, per rank (the largest over ranks): *peak RSS* is the kernel's high-water mark during the "
         "training steps (reset after wrapping, so building the full model first does not count); "
         "*above bare* subtracts the RSS of the bare process (torch + gloo) before the model existed; "
-        "*model state* counts local parameter, gradient and optimizer tensors; *ring buffers* are RTP's "
-        "two weight shards and two gradient accumulators of its largest layer (the 50257 x 768 "
-        "embedding/head), included in the RSS.",
+        "*model state* counts local parameter, gradient and optimizer tensors; *ring buffers* is the most "
+        "RTP's leased buffers can hold at once (two weight units and two gradient accumulators of the "
+        "largest unit that rotates; layers above the default `chunk_bytes` of 16 MiB, here the 50257 x 768 "
+        "embedding/head, rotate in slices), part of the RSS while a layer rotates.",
+        "",
+        f"Load average of the machine (1 min) at the start and end of the run: {args.load[0]:.1f} and "
+        f"{args.load[1]:.1f}. Other jobs shared these 2 cores, so step times carry that noise; memory "
+        "figures do not depend on it.",
         "",
         "| N | engine | step time (s) | vs DDP | peak RSS (MiB) | above bare (MiB) | model state (MiB) "
         "| whole state / N (MiB) | ring buffers (MiB) |",
@@ -216,6 +221,16 @@ def report(rows: list[dict[str, Any]], args: argparse.Namespace, command: str) -
                 f"| {world} | {row['engine']} | {step:.2f} | {step / ddp_time:.2f}x | "
                 f"{max(x['peak_mib'] for x in rk):.0f} | {max(x['peak_mib'] - x['base_mib'] for x in rk):.0f} | "
                 f"{max(x['state_mib'] for x in rk):.0f} | {whole_mib / world:.0f} | {max(x['ring_mib'] for x in rk):.0f} |")
+    lines += [""]
+    for world in args.ranks:
+        by = {r["engine"]: r for r in rows if r["world"] == world}
+        if not {"rtp", "fsdp2"} <= by.keys():
+            continue
+        above = {e: max(x["peak_mib"] - x["base_mib"] for x in r["ranks"]) for e, r in by.items()}
+        lines.append(f"- N={world}: RTP's peak above the bare process is {above['rtp']:.0f} MiB, "
+                     f"{above['rtp'] / above['fsdp2']:.0%} of FSDP2's and {above['rtp'] / (whole_mib / world):.2f}x "
+                     f"the whole model state / N ({whole_mib / world:.0f} MiB); the rest is activations, optimizer "
+                     "temporaries and ring buffers.")
     lines += ["", "NCCL / GPU figures were not recorded: no GPU was available where this was run.", ""]
     return "\n".join(lines)
 
@@ -242,6 +257,7 @@ def main() -> None:
     tmp = args.out.parent / ".rtp_bench_tmp"
     tmp.mkdir(parents=True, exist_ok=True)
     rows = []
+    load_start = os.getloadavg()[0]
     for world in args.ranks:
         for engine in args.engines:
             t0 = time.monotonic()
@@ -249,12 +265,14 @@ def main() -> None:
             rows.append({"engine": engine, "world": world, "ranks": ranks})
             print(f"{engine} N={world}: step {max(r['step_s'] for r in ranks):.2f} s, peak RSS "
                   f"{max(r['peak_mib'] for r in ranks):.0f} MiB ({time.monotonic() - t0:.0f} s)", flush=True)
+    args.load = (load_start, os.getloadavg()[0])
     for f in tmp.iterdir():
         f.unlink()
     tmp.rmdir()
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(report(rows, args, command))
-    args.out.with_suffix(".json").write_text(json.dumps({"command": command, "rows": rows}, indent=1))
+    args.out.with_suffix(".json").write_text(json.dumps({"command": command, "load_average": args.load,
+                                                         "rows": rows}, indent=1))
     print(args.out.read_text())
 
 

@@ -110,7 +110,7 @@ class RotatedTensorParallel(nn.Module):
         warn_replicated(plan.replicated)
 
     def _shard_parameters(self, plan: Any) -> None:
-        rank, done = self._ring.rank, {}
+        rank = self._ring.rank
         with torch.no_grad():
             for layer in plan.layers:
                 for sp in layer.plan.params:
@@ -120,7 +120,6 @@ class RotatedTensorParallel(nn.Module):
                     local = nn.Parameter(sp.split.take(full.detach(), rank), requires_grad=full.requires_grad)
                     for owner, name in plan.registrations[id(full)]:
                         setattr(owner, name, local)
-                    done[id(full)] = (full, local)  # keeps `full` alive so its id is not reused
                     self._splits[id(local)] = sp.split
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:

@@ -148,6 +148,9 @@ def eval_checks(rtp: RotatedTensorParallel, ref: nn.Module, case: Any, world: in
         "eval_weights_unchanged": all(torch.equal(before[n], p) for n, p in rtp.module.named_parameters()),
         "eval_all_home": all(layer.position is Position.HOME and layer.visiting is None
                              for layer in rtp.rotating_layers),
+        # the shard this rank computes with at step k is the one that `holder` places here
+        "rotation_bookkeeping": all(layer.holder(layer.shard_at(k, d), k, d) == rtp.rank
+                                    for layer in rtp.rotating_layers for k in range(world) for d in (1, -1)),
     }
 
 

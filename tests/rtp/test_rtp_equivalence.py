@@ -82,6 +82,7 @@ def test_eval_forward_is_repeatable_and_leaves_every_shard_home(ranks):
             assert r["eval_repeat_equal"], (rank, model)
             assert r["eval_weights_unchanged"], (rank, model)
             assert r["eval_all_home"], (rank, model)
+            assert r["rotation_bookkeeping"], (rank, model)
             assert r["eval_vs_ref_err"] < 1e-5, (rank, model, r["eval_vs_ref_err"])
 
 

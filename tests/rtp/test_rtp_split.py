@@ -38,3 +38,13 @@ def test_spare_rows_rotate_between_ranks_so_totals_stay_balanced():
         for s, c in enumerate(splitter.counts(10)):  # 2 spare rows each time
             totals[s] += c
     assert totals == [20, 20, 20, 20]
+
+
+def test_chunks_cut_each_shard_into_consecutive_slices_covering_it_once():
+    split = Splitter(3).even((10, 4), 0)  # shards of 4, 3, 3 rows
+    chunks = split.chunks(2)
+    for s in range(3):
+        pieces = [r for c in chunks for r in c.ranges[s]]
+        assert pieces[0][0] == split.ranges[s][0][0] and pieces[-1][1] == split.ranges[s][0][1]
+        assert all(a[1] == b[0] for a, b in zip(pieces, pieces[1:]))
+    assert [c.length(0) for c in chunks] == [2, 2] and [c.length(1) for c in chunks] == [2, 1]
