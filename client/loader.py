@@ -10,6 +10,8 @@ batch it has not yet handed out, so no sample is lost or repeated.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import os
 import queue
 import random
 import threading
@@ -107,6 +109,8 @@ class Loader:
         in_order: yield batches in batch order (default); False yields a later batch
             first when it completes first (resume still loses and repeats nothing).
         max_retries: consecutive failed attempts before giving up; progress resets it.
+        buffer_batches: collated batches the sync iterator keeps ready ahead of the user.
+        decode_workers: threads decoding images (default: min(4, CPUs); 0 or 1: inline).
     """
 
     def __init__(
@@ -134,6 +138,7 @@ class Loader:
         retry_backoff_s: float = 0.1,
         max_backoff_s: float = 5.0,
         buffer_batches: int = 4,
+        decode_workers: int | None = None,
     ):
         if rank is None or world_size is None:
             d_rank, d_world = _distributed_default()
@@ -175,6 +180,8 @@ class Loader:
         self._ahead: set[int] = set()  # handed out already, beyond _next_batch (in_order=False)
         self._num_batches: int | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
+        self.decode_workers = min(4, os.cpu_count() or 1) if decode_workers is None else decode_workers
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
 
     # ---- epoch and resume state -------------------------------------------------
     @property
@@ -323,12 +330,20 @@ class Loader:
         if raw.table is not None and self._default_collate and self.transform is None:
             data = collate_table(raw.table)  # same result as default_collate, column-wise
         if data is None:
-            samples = raw_batch_samples(raw, self.decode_images)
+            samples = raw_batch_samples(raw, self.decode_images, self._decode_pool())
             if self.transform is not None:
                 samples = [self.transform(s) for s in samples]
             data = self.collate_fn(samples)
         data = _move(data, self.device, self.pin_memory)
         return Batch(data, raw.epoch, raw.batch, raw.indices, raw.padding)
+
+    def _decode_pool(self) -> concurrent.futures.ThreadPoolExecutor | None:
+        """Threads that decode a batch's images in parallel (a DataLoader uses worker processes)."""
+        if self.decode_workers <= 1:
+            return None
+        if self._pool is None:
+            self._pool = concurrent.futures.ThreadPoolExecutor(self.decode_workers, thread_name_prefix="croupier-decode")
+        return self._pool
 
     def _start(self) -> tuple[int, frozenset[int]]:
         start = self._next_batch
@@ -443,6 +458,9 @@ class Loader:
         loop, self._loop = self._loop, None
         if loop is not None and not loop.is_closed():
             loop.call_soon_threadsafe(loop.stop)
+        pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=False)
 
     def __del__(self) -> None:
         try:
