@@ -39,6 +39,7 @@ import torch.nn.functional as F
 from torch import nn
 
 ENGINES = ("ddp", "fsdp2", "rtp")
+SETTINGS = ("steps", "warmup", "seq", "micro_batch", "layers")
 
 
 class Block(nn.Module):
@@ -231,6 +232,13 @@ def report(rows: list[dict[str, Any]], args: argparse.Namespace, command: str) -
                      f"{above['rtp'] / above['fsdp2']:.0%} of FSDP2's and {above['rtp'] / (whole_mib / world):.2f}x "
                      f"the whole model state / N ({whole_mib / world:.0f} MiB); the rest is activations, optimizer "
                      "temporaries and ring buffers.")
+    for world in args.ranks:
+        losses = {r["engine"]: [x["loss"] for x in r["ranks"]] for r in rows if r["world"] == world}
+        if len(losses) > 1:
+            spread = max(abs(a - b) for ls in zip(*losses.values()) for a in ls for b in ls)
+            lines.append(f"- N={world}: after the last step every rank's loss agrees across "
+                         f"{', '.join(losses)} to {spread:.1e} (same weights, same tokens; PyTorch's default "
+                         "initialisation, not GPT-2's, hence losses near 175).")
     lines += ["", "NCCL / GPU figures were not recorded: no GPU was available where this was run.", ""]
     return "\n".join(lines)
 
@@ -246,12 +254,21 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=12)
     p.add_argument("--timeout", type=float, default=900.0, help="per engine and N, seconds")
     p.add_argument("--out", type=Path, default=Path("benchmarks/results/rtp_memory.md"))
+    p.add_argument("--render", type=Path, help="rewrite --out from a JSON this script saved, without measuring")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--engine", choices=ENGINES, help=argparse.SUPPRESS)
     p.add_argument("--result", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.worker:
         worker(args)
+        return
+    if args.render:
+        saved = json.loads(args.render.read_text())
+        args.load = tuple(saved["load_average"])
+        for k, v in saved.get("settings", {}).items():  # older files: the run used the defaults
+            setattr(args, k, v)
+        args.ranks = sorted({r["world"] for r in saved["rows"]})
+        args.out.write_text(report(saved["rows"], args, saved["command"]))
         return
     command = "python " + " ".join([os.path.relpath(__file__)] + sys.argv[1:])
     tmp = args.out.parent / ".rtp_bench_tmp"
@@ -271,8 +288,9 @@ def main() -> None:
     tmp.rmdir()
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(report(rows, args, command))
+    settings = {k: getattr(args, k) for k in SETTINGS}
     args.out.with_suffix(".json").write_text(json.dumps({"command": command, "load_average": args.load,
-                                                         "rows": rows}, indent=1))
+                                                         "settings": settings, "rows": rows}, indent=1))
     print(args.out.read_text())
 
 
