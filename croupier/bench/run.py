@@ -112,6 +112,8 @@ def run_suite(suite: Suite, out: Path, data_dir: Path, command: str, say: Callab
     for kind in suite.targets:
         rep["targets"] = report.check_targets(kind, results)
     rep["load"]["end"] = list(os.getloadavg())
+    if code_state() != rep["code"]:
+        rep["errors"].append(f"the code changed during the run: {rep['code']} at the start, {code_state()} at the end")
     rep["wall_s"] = time.perf_counter() - t0
     made = plots.all_plots(rep, out, suite.name)
     (out / f"{suite.name}.json").write_text(json.dumps(rep, indent=1, default=str))
