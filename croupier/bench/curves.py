@@ -43,7 +43,7 @@ def concurrent_streams(curves: Curves, paths: dict[str, Path], log: Path, say: C
     try:
         for n in curves.streams:
             data = ('{"dataset": "text", "batch_size": 64, "world_size": %d, "rank": {{.WorkerID}}, '
-                    '"epoch": {{.RequestNumber}}, "end_batch": 10}' % n)
+                    '"epoch": {{.RequestNumber}}, "end_batch": 20}' % n)
             cpu0 = cpu_seconds(server.pid)
             report = run_load(LoadOptions(target=server.address, data=data, concurrency=n, connections=n,
                                           total=None, duration_s=curves.streams_seconds, timeout_s=60))
