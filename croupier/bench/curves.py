@@ -32,8 +32,16 @@ def reads_in_flight(curves: Curves, paths: dict[str, Path], log: Path, say: Call
     return points
 
 
-def concurrent_streams(curves: Curves, paths: dict[str, Path], log: Path, say: Callable[[str], None]) -> list[dict]:
-    """N trainer streams (the load test, one channel each) against one server at a fixed latency."""
+STREAM_BATCHES = 20
+
+
+def concurrent_streams(curves: Curves, paths: dict[str, Path], rows: int, log: Path,
+                       say: Callable[[str], None]) -> list[dict]:
+    """N trainer streams (the load test, one channel each) against one server at a fixed latency.
+
+    Each stream is rank i of N for up to STREAM_BATCHES batches of 64: fewer where the
+    `rows`-row text set deals a rank fewer (the server refuses an end past the epoch).
+    """
     from croupier.loadtest import LoadOptions, run_load
 
     storage = latency(curves.streams_latency_ms)
@@ -42,8 +50,9 @@ def concurrent_streams(curves: Curves, paths: dict[str, Path], log: Path, say: C
     points = []
     try:
         for n in curves.streams:
+            end_batch = min(STREAM_BATCHES, math.ceil(math.ceil(rows / n) / 64))
             data = ('{"dataset": "text", "batch_size": 64, "world_size": %d, "rank": {{.WorkerID}}, '
-                    '"epoch": {{.RequestNumber}}, "end_batch": 20}' % n)
+                    '"epoch": {{.RequestNumber}}, "end_batch": %d}' % (n, end_batch))
             cpu0 = cpu_seconds(server.pid)
             report = run_load(LoadOptions(target=server.address, data=data, concurrency=n, connections=n,
                                           total=None, duration_s=curves.streams_seconds, timeout_s=60))

@@ -229,7 +229,7 @@ def markdown(report: dict[str, Any], plots: list[str]) -> str:
                          f"{c['in_flight_latency_ms']:g} ms lognormal; `--max-reads-per-stream C`.\n")
         if c.get("streams"):
             lines.append(f"Throughput against concurrent streams: `croupier loadtest` with N workers on N "
-                         f"connections, rank i of N, 20 batches of 64 per stream, {c['streams_latency_ms']:g} ms "
+                         f"connections, rank i of N, up to 20 batches of 64 per stream (fewer where a rank has fewer), {c['streams_latency_ms']:g} ms "
                          "lognormal, one server; the load generator is one Python process on the same machine.\n")
         if c.get("planner"):
             lines.append("Planner: `EpochPlan` time to the first batch of the last rank (world 8), indices/s "

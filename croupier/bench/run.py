@@ -98,7 +98,7 @@ def run_suite(suite: Suite, out: Path, data_dir: Path, command: str, say: Callab
         say("curve: throughput against reads in flight")
         rep["curves"]["reads_in_flight"] = curves_mod.reads_in_flight(c, paths, log, say)
         say("curve: throughput against concurrent streams")
-        rep["curves"]["streams"] = curves_mod.concurrent_streams(c, paths, log, say)
+        rep["curves"]["streams"] = curves_mod.concurrent_streams(c, paths, suite.data.text_rows, log, say)
         say("curve: planner time and memory against dataset size")
         rep["curves"]["planner"] = curves_mod.planner_scaling(c, say)
     if suite.shuffle_quality and suite.curves is not None and not only:
