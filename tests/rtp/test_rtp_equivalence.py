@@ -15,7 +15,11 @@ import pytest
 from rtp_launch import launch
 
 MODELS = ("mlp", "cnn", "gpt")
-F32_GRAD_TOL = 1e-5  # largest |difference| relative to the largest reference gradient
+# Largest |difference| relative to the largest reference gradient. Exactness is pinned by
+# the float64 runs below (1e-9); in float32 the ring's different summation order, amplified
+# by cancellation in small gradients, reaches 1.2e-5 (N=4, the CNN's last conv bias),
+# while any real mistake (a shard used twice, a missing 1/N) is off by 1e-2 or more.
+F32_GRAD_TOL = 5e-5
 F64_TOL = 1e-9
 
 
