@@ -41,7 +41,7 @@ class _Partial:
     padding: np.ndarray
     filled: np.ndarray
     count: int = 0
-    parts: list[tuple[pa.RecordBatch, np.ndarray, np.ndarray]] = field(default_factory=list)
+    parts: list[tuple[pa.RecordBatch, np.ndarray]] = field(default_factory=list)  # rows, their positions
     images: list[Any] | None = None
 
 
@@ -52,7 +52,7 @@ class ArrivalStats:
     chunks: int = 0
     #: Samples that arrived after a sample placed later in the plan: out-of-order deliveries.
     out_of_order: int = 0
-    _high: tuple[int, int] = (-1, -1)
+    _high: int = -1  # largest batch * (batch_size + 1) + position seen
 
 
 class BatchAssembler:
@@ -103,31 +103,49 @@ class BatchAssembler:
             self.stats.bytes += sum(len(im.data) for im in chunk.images)
         self.stats.samples += n
         self.stats.chunks += 1
-        high = self.stats._high
-        for i, key in enumerate(zip(batches.tolist(), positions.tolist())):
-            if key < high:
-                self.stats.out_of_order += 1
-            else:
-                high = key
-        self.stats._high = high
-        for b in np.unique(batches).tolist():
+        if n:
+            # Out of order: a sample whose (batch, position) is below one that came before it.
+            keys = batches * (self.header.batch_size + 1) + positions
+            running = np.maximum.accumulate(np.concatenate(([self.stats._high], keys)))
+            self.stats.out_of_order += int((keys < running[:-1]).sum())
+            self.stats._high = int(running[-1])
+            h = self.header
+            outside = np.flatnonzero((batches < h.start_batch) | (batches >= h.end_batch))
+            if len(outside):
+                self._size(int(batches[outside[0]]))  # raises, naming the batch and the range
+            last = h.num_batches - 1
+            sizes = np.where(batches == last, h.last_batch_size, h.batch_size)
+            bad = np.flatnonzero((positions < 0) | (positions >= sizes))
+            if len(bad):
+                i = int(bad[0])
+                raise ProtocolError(f"position {positions[i]} outside 0..{sizes[i] - 1} in batch {batches[i]}")
+        source = np.arange(n)  # row of the chunk that each (sorted) sample came from
+        if n > 1 and (np.diff(batches) < 0).any():
+            # Group the chunk's samples by batch, so each batch's part below is one slice
+            # (for tables one take here, not a take per batch per chunk: ~20 us a sample).
+            source = np.argsort(batches, kind="stable")
+            batches, positions, indices, padding = batches[source], positions[source], indices[source], padding[source]
+            if record_batch is not None:
+                record_batch = record_batch.take(pa.array(source))
+        cuts = (np.flatnonzero(np.diff(batches)) + 1).tolist()
+        for a, e in zip([0, *cuts], [*cuts, n]):
+            b = int(batches[a])
             if b in self.skip:
                 continue
-            rows = np.nonzero(batches == b)[0]
             p = self._partial(b)
-            pos = positions[rows]
-            if (pos < 0).any() or (pos >= p.size).any():
-                raise ProtocolError(f"position outside 0..{p.size - 1} in batch {b}")
-            if p.filled[pos].any():
-                raise ProtocolError(f"batch {b}: position {int(pos[p.filled[pos]][0])} delivered twice")
+            pos = positions[a:e]
+            seen = p.filled[pos]
             p.filled[pos] = True
-            p.indices[pos] = indices[rows]
-            p.padding[pos] = padding[rows]
-            p.count += len(rows)
+            if seen.any() or int(p.filled.sum()) != p.count + e - a:  # before, or twice in this chunk
+                twice = pos[seen][0] if seen.any() else next(q for q in pos.tolist() if (pos == q).sum() > 1)
+                raise ProtocolError(f"batch {b}: position {int(twice)} delivered twice")
+            p.indices[pos] = indices[a:e]
+            p.padding[pos] = padding[a:e]
+            p.count += e - a
             if record_batch is not None:
-                p.parts.append((record_batch, rows, pos))
+                p.parts.append((record_batch.slice(a, e - a), pos))
             elif p.images is not None:
-                for r, q in zip(rows.tolist(), pos.tolist()):
+                for r, q in zip(source[a:e].tolist(), pos.tolist()):
                     p.images[q] = chunk.images[r]
         done = []
         for b in chunk.completed_batches:
@@ -143,16 +161,12 @@ class BatchAssembler:
     def _finish(self, batch: int, p: _Partial) -> RawBatch:
         out = RawBatch(self.epoch, batch, p.indices, p.padding)
         if self.is_table:
-            # Gather the rows of every chunk, then one take puts them in position order.
-            tables = [
-                pa.Table.from_batches([rb if len(rows) == rb.num_rows else rb.take(pa.array(rows))])
-                for rb, rows, _ in p.parts
-            ]
-            positions = np.concatenate([pos for _, _, pos in p.parts])
-            table = pa.concat_tables(tables) if len(tables) > 1 else tables[0]
+            # The batch's slices of every chunk, joined once, then put in position order.
+            rows = pa.concat_batches([part for part, _ in p.parts]) if len(p.parts) > 1 else p.parts[0][0]
+            positions = np.concatenate([pos for _, pos in p.parts])
             order = np.argsort(positions, kind="stable")
             in_place = bool((order == np.arange(len(order))).all())
-            out.table = table if in_place else table.take(pa.array(order))
+            out.table = pa.Table.from_batches([rows if in_place else rows.take(pa.array(order))])
         else:
             out.images = p.images
         return out
