@@ -106,9 +106,11 @@ class Case:
     world: int = 2
     max_batches: int = 200
     max_seconds: float = 4.0
-    #: Steady batches wanted after the warm-up ones (at least as many as the warm-up, which
-    #: spans a burst), time permitting.
+    #: Steady batches wanted after the warm-up ones, time permitting: at least this many and
+    #: `steady_per_warmup` times the warm-up, so that batches read ahead during a slow start
+    #: (8 DataLoader workers starting on 2 cores) cannot pass for a steady rate.
     steady_batches: int = 4
+    steady_per_warmup: int = 3
     seed: int = 0
     #: `croupier serve --max-reads-per-stream` (the reads-in-flight curve); None keeps the default.
     max_reads_per_stream: int | None = None
@@ -252,7 +254,7 @@ def run_case(case: Case, paths: dict[str, Path], log: Path) -> CaseResult:
     sysm = case.system
     job = RankJob(system=sysm.kind, dataset=case.dataset, path=str(path), rank=0, world=case.world,
                   batch=case.batch, max_batches=case.max_batches, max_seconds=case.max_seconds,
-                  min_batches=sysm.warmup_batches() + max(case.steady_batches, sysm.warmup_batches()),
+                  min_batches=sysm.warmup_batches() * (1 + case.steady_per_warmup) + case.steady_batches,
                   workers=sysm.workers, ordered=sysm.ordered, prefetch=sysm.prefetch,
                   latency_ms=case.storage.latency_ms, latency_sigma=SIGMA, seed=case.seed)
     timeout = job.hard_seconds + 120

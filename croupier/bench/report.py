@@ -195,15 +195,15 @@ def markdown(report: dict[str, Any], plots: list[str]) -> str:
         "",
         "Storage: *page cache*: files read once before the case; *N ms lognormal*: the same, plus a read latency "
         "drawn per sample read from a lognormal with median N ms and sigma 0.5 (mean 1.133 N ms): `croupier serve "
-        "--latency-ms N` for croupier, a Dataset wrapper sleeping a draw of the same seeded distribution before each "
+        "--latency-ms N` for croupier (which wakes at the nearest millisecond, so reads due together share a wake-up), a Dataset wrapper sleeping a draw of the same seeded distribution before each "
         "`__getitem__` (or each WebDataset sample) for the others; *cold disk*: every file dropped from the page cache "
         "(fsync + posix_fadvise DONTNEED) before the case.",
         "",
         "Figures: samples/s and MB/s are steady-state, at the trainer: each rank's batches after its warm-up "
         "ones (those that can pile up while the first is awaited: croupier's read-ahead window plus the Loader's "
         "4-batch buffer; 2 per DataLoader worker; 2 for croupier ordered and 0 workers; or the first 10% if more) "
-        "over the time they took, summed over ranks; each rank runs until it has as many batches past its warm-up "
-        "as in it (4 at least) and the case's seconds since its first batch (15 s at most); MB are those of the collated batch (tensors and strings). First batch: from building the "
+        "over the time they took, summed over ranks; each rank runs until it has three times as many batches past its warm-up "
+        "as in it (plus 4) and the case's seconds since its first batch (15 s at most); MB are those of the collated batch (tensors and strings). First batch: from building the "
         "loader (modules already imported) to the first batch. Batch p50/p99: intervals between batches at a rank. "
         "CPU s/1k samples: all CPU of the trainer processes, their workers and the server, per 1,000 samples "
         "(server alone in brackets). C: reads in flight over all ranks; C/L its ceiling with mean latency L; "

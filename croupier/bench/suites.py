@@ -92,7 +92,7 @@ def first() -> Suite:
 
 def quick() -> Suite:
     # One rank and few cases: process start-up (torch, grpc) is most of a case's time.
-    kw = dict(world=1, max_batches=25, max_seconds=0.5, steady_batches=2)
+    kw = dict(world=1, max_batches=25, max_seconds=0.5, steady_batches=2, steady_per_warmup=1)
     cases = (
         *_matrix((PAGE_CACHE,), {"text": (CROUPIER, dataloader(0))}, **kw),
         *_matrix((latency(5),), {"text": (CROUPIER, dataloader(2)), "shards": (WEBDATASET,)}, **kw),
