@@ -30,7 +30,7 @@ from croupier.v1 import croupier_pb2 as pb
 
 from .assemble import BatchAssembler, ProtocolError, RawBatch
 from .samples import ImageDecode, collate_table, raw_batch_samples
-from .wire import RETRYABLE, Connection
+from .wire import RETRYABLE, Connection, size_limit_advice
 
 
 class LoaderError(RuntimeError):
@@ -99,7 +99,8 @@ class Loader:
         seed, epoch: the plan is a pure function of (seed, epoch, dataset size).
         drop_last: as DistributedSampler + DataLoader (see croupier.server.planner).
         ordered: ask for the ordered ablation (one read at a time, in plan order).
-        prefetch: batches the server reads ahead (0: the server's default).
+        prefetch: batches the server reads ahead (0: the server's default; the server
+            clamps it to its `--max-prefetch`).
         columns: table columns to fetch (default all).
         collate_fn: list of samples -> batch; default `torch.utils.data.default_collate`.
         transform: applied to every sample dict before collation.
@@ -109,6 +110,7 @@ class Loader:
         in_order: yield batches in batch order (default); False yields a later batch
             first when it completes first (resume still loses and repeats nothing).
         max_retries: consecutive failed attempts before giving up; progress resets it.
+            A message over a size limit is not retried (the LoaderError names the limit).
         buffer_batches: collated batches the sync iterator keeps ready ahead of the user.
         decode_workers: threads decoding images (default: min(4, CPUs); 0 or 1: inline).
     """
@@ -179,6 +181,8 @@ class Loader:
         self._next_batch = 0  # first batch not yet handed to the user
         self._ahead: set[int] = set()  # handed out already, beyond _next_batch (in_order=False)
         self._num_batches: int | None = None
+        # This Loader handed out the epoch's last batch: the next pass starts over.
+        self._epoch_done = False
         self._loop: asyncio.AbstractEventLoop | None = None
         self.decode_workers = min(4, os.cpu_count() or 1) if decode_workers is None else decode_workers
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
@@ -200,7 +204,7 @@ class Loader:
         """Choose the epoch (its permutation); a new epoch starts at its first batch."""
         if epoch != self.options.epoch:
             self.options = self.options.with_(epoch=epoch)
-            self._next_batch, self._ahead = 0, set()
+            self._next_batch, self._ahead, self._epoch_done = 0, set(), False
 
     def state_dict(self) -> dict[str, Any]:
         """A few integers that resume this rank exactly where the user stopped."""
@@ -226,11 +230,13 @@ class Loader:
         self.options = self.options.with_(seed=int(state["seed"]), epoch=int(state["epoch"]))
         self._next_batch = int(state["next_batch"])
         self._ahead = set(int(b) for b in state.get("batches_ahead", ()))
+        # Resume where the state says, even at the end of an epoch (then nothing is left).
+        self._epoch_done = False
 
     def __len__(self) -> int:
         """Batches per epoch for this rank (asks the server for the dataset size once)."""
         if self._num_batches is None:
-            from croupier.server.planner import EpochPlan
+            from croupier.server.planner import EpochPlan, PlanError
 
             async def rows() -> int:
                 # The first replica that answers, starting with this rank's own.
@@ -250,7 +256,11 @@ class Loader:
 
             o = self.options
             n = asyncio.run_coroutine_threadsafe(rows(), self._network_loop()).result(60)
-            self._num_batches = EpochPlan(n, o.seed, o.epoch, o.batch_size, o.world_size, o.drop_last).num_batches
+            try:
+                plan = EpochPlan(n, o.seed, o.epoch, o.batch_size, o.world_size, o.drop_last)
+            except PlanError as exc:  # what the server answers a stream of this plan
+                raise LoaderError(f"INVALID_ARGUMENT: {exc}", grpc.StatusCode.INVALID_ARGUMENT) from None
+            self._num_batches = plan.num_batches
         return self._num_batches
 
     # ---- producing batches --------------------------------------------------------
@@ -276,7 +286,7 @@ class Loader:
                                 f"{address} plans {header.num_batches} batches for this epoch, "
                                 f"another server planned {num_batches}: are they serving the same data?"
                             )
-                        num_batches = header.num_batches
+                        num_batches = self._num_batches = header.num_batches
                         assembler = BatchAssembler(header, skip_batches=frozenset(ahead))
                         continue
                     if assembler is None:
@@ -301,6 +311,9 @@ class Loader:
                     raise ProtocolError(f"{address} ended the stream at batch {next_batch} of {num_batches}")
             except grpc.aio.AioRpcError as exc:
                 code = exc.code()
+                advice = size_limit_advice(code, exc.details() or "")
+                if advice is not None:  # the same message would break the limit again
+                    raise LoaderError(f"{address}: {code.name}: {advice}", code) from None
                 if code not in RETRYABLE:
                     raise LoaderError(f"{address}: {code.name}: {exc.details()}", code) from None
                 failures += 1
@@ -346,10 +359,13 @@ class Loader:
         return self._pool
 
     def _start(self) -> tuple[int, frozenset[int]]:
-        start = self._next_batch
-        if self._num_batches is not None and start >= self._num_batches:
-            start = 0  # a finished epoch iterated again starts over
-        return start, frozenset(self._ahead)
+        if self._epoch_done:  # a finished epoch iterated again starts over, as a DataLoader
+            self._next_batch, self._ahead, self._epoch_done = 0, set(), False
+        return self._next_batch, frozenset(self._ahead)
+
+    def _pass_ended(self) -> None:
+        """A pass ran to the end of the epoch (maybe yielding nothing, from a final state)."""
+        self._epoch_done = True
 
     def _handed_out(self, batch: Batch, t0: float) -> None:
         """Record, on the consumer's side, that the user now holds `batch`."""
@@ -363,6 +379,8 @@ class Loader:
                 self._next_batch += 1
         else:
             self._ahead.add(batch.batch)
+        if self._num_batches is not None and self._next_batch >= self._num_batches:
+            self._epoch_done = True  # even if the user stops before the stream's end
 
     async def abatches(self) -> AsyncIterator[Batch]:
         """Async iteration over `Batch`es (collated data plus plan metadata)."""
@@ -377,6 +395,7 @@ class Loader:
                 try:
                     raw = await gen.__anext__()
                 except StopAsyncIteration:
+                    self._pass_ended()
                     break
                 self.stats.wait_s += time.perf_counter() - w
                 batch = self._collate(raw)
@@ -426,6 +445,7 @@ class Loader:
                 kind, value = q.get()
                 self.stats.wait_s += time.perf_counter() - w
                 if kind == "end":
+                    self._pass_ended()
                     return
                 if kind == "error":
                     raise value

@@ -23,8 +23,10 @@ RETRYABLE = frozenset(
     }
 )
 
+MAX_RECEIVE_BYTES = 256 << 20
+
 CHANNEL_OPTIONS = [
-    ("grpc.max_receive_message_length", 256 << 20),
+    ("grpc.max_receive_message_length", MAX_RECEIVE_BYTES),
     ("grpc.max_send_message_length", 16 << 20),
     ("grpc.keepalive_time_ms", 30_000),
     # Fail fast and let the Loader's own backoff decide when to try again.
@@ -32,6 +34,23 @@ CHANNEL_OPTIONS = [
     ("grpc.max_reconnect_backoff_ms", 1_000),
     ("grpc.enable_retries", 0),
 ]
+
+
+def size_limit_advice(code: grpc.StatusCode, details: str) -> str | None:
+    """For a message that broke a size limit (the same message would break it again,
+    so a retry cannot help): which limit it broke and how to change it. None for any
+    other failure."""
+    if code != grpc.StatusCode.RESOURCE_EXHAUSTED or "larger than max" not in details:
+        return None
+    if details.startswith("Received message"):  # grpc's own check, on this side
+        return (
+            f"{details}: a message exceeded this client's grpc.max_receive_message_length "
+            f"({MAX_RECEIVE_BYTES >> 20} MiB); start the server with `--max-message-mb` at most that "
+            "(it splits chunks to fit)"
+        )
+    if details.startswith("Sent message"):  # the server's grpc refused to send it
+        return f"{details}: raise the server's `croupier serve --max-message-mb`"
+    return details  # croupier's own message names the limit
 
 
 def open_channel(address: str) -> grpc.aio.Channel:

@@ -33,10 +33,12 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--port", type=int, help="gRPC port (default 50051; 0 picks a free one)")
     g.add_argument("--metrics-port", type=int, help="Prometheus /metrics port (default off; 0 picks a free one)")
     g.add_argument("--metrics-host", help="address of the metrics endpoint (default 127.0.0.1)")
-    g.add_argument("--max-message-mb", type=int, help="largest gRPC message in MiB (default 64)")
+    g.add_argument("--max-message-mb", type=int,
+                   help=f"largest gRPC message in MiB; larger chunks are split (default {d.max_message_bytes >> 20})")
     g = p.add_argument_group("data")
     g.add_argument("--data-root", action="append", dest="data_roots",
-                   help="folder clients may stream paths from; dataset paths must lie under one (repeatable)")
+                   help="folder clients may stream paths from (a relative path is looked up under each in "
+                   "turn); dataset paths must lie under one (repeatable)")
     g.add_argument("--cache-dir", help="where tar offset indexes go when the data folder is read-only")
     g = p.add_argument_group("concurrency and memory")
     g.add_argument("--max-reads", type=int, help=f"sample reads in flight over all streams (default {d.max_reads})")
@@ -44,10 +46,15 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--prefetch", type=int, dest="default_prefetch",
                    help=f"batches reads may run ahead of the oldest unsent one, when the client "
                    f"does not say (default {lim.default_prefetch})")
+    g.add_argument("--max-prefetch", type=int,
+                   help=f"largest prefetch a client may ask for; larger requests are clamped "
+                   f"(default {lim.max_prefetch})")
     g.add_argument("--max-buffered-mb", type=float,
                    help=f"completed-but-unsent MiB per stream before reading pauses (default {lim.max_buffered_bytes >> 20})")
     g.add_argument("--chunk-samples", type=int, help=f"samples per message at most (default {lim.chunk_samples})")
-    g.add_argument("--chunk-kb", type=int, help=f"payload KiB per message before it is flushed (default {lim.chunk_bytes >> 10})")
+    g.add_argument("--chunk-kb", type=int,
+                   help=f"payload KiB per message before it is flushed (default {lim.chunk_bytes >> 10}, under "
+                   "grpc's default 4 MiB receive limit); a message never exceeds --max-message-mb")
     g.add_argument("--flush-delay-ms", type=float, help=f"longest a completed sample waits for its chunk (default {lim.flush_delay_s * 1000:g})")
     g.add_argument("--workers", type=int, help=f"threads for blocking work: pyarrow, Pillow (default {d.workers})")
     g = p.add_argument_group("injected storage latency (benchmarks)")
@@ -81,7 +88,7 @@ def build_server_config(args: argparse.Namespace):
     if args.max_message_mb is not None:
         changes["max_message_bytes"] = args.max_message_mb << 20
     limits = {}
-    for name in ("max_reads_per_stream", "default_prefetch", "chunk_samples"):
+    for name in ("max_reads_per_stream", "default_prefetch", "max_prefetch", "chunk_samples"):
         if getattr(args, name) is not None:
             limits[name] = getattr(args, name)
     if args.max_buffered_mb is not None:

@@ -27,7 +27,8 @@ class StreamOptions:
     end_batch: int = 0
     #: Fetch one sample at a time in plan order (the ablation) instead of all at once.
     ordered: bool = False
-    #: Batches read ahead of the current one; 0 lets the server choose.
+    #: Batches read ahead of the current one; 0 lets the server choose. The server
+    #: clamps larger values to its `--max-prefetch`.
     prefetch: int = 0
     #: Table columns to send; empty sends all.
     columns: tuple[str, ...] = field(default_factory=tuple)

@@ -1,8 +1,8 @@
 """Regenerate the Python code for the wire contract: `python protos/generate.py`.
 
 The generated modules sit beside the .proto files and are installed as the package
-`croupier.v1`. They are never edited by hand; tests/test_proto_codegen.py fails when
-they drift from the .proto files.
+`croupier.v1`. They are never edited by hand; test_generated_code_matches_the_protos
+in tests/test_packaging.py fails when they drift from the .proto files.
 """
 
 from __future__ import annotations

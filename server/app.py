@@ -70,12 +70,17 @@ async def start(config: ServerConfig) -> RunningServer:
     """Open the datasets and start serving; returns once the port is bound."""
     executor = concurrent.futures.ThreadPoolExecutor(config.workers, thread_name_prefix="croupier-io")
     loop = asyncio.get_running_loop()
-    # aiofiles runs file calls on the loop's default executor: make that the bounded pool.
+    # Anything that runs on the loop's default executor shares the same bounded pool.
     loop.set_default_executor(executor)
     catalog = await loop.run_in_executor(executor, open_catalog, config, executor)
     metrics = ServerMetrics()
     service = CroupierService(
-        catalog, limits=config.limits, max_reads=config.max_reads, executor=executor, metrics=metrics
+        catalog,
+        limits=config.limits,
+        max_reads=config.max_reads,
+        executor=executor,
+        metrics=metrics,
+        max_message_bytes=config.max_message_bytes,
     )
     server = grpc.aio.server(
         options=[

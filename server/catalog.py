@@ -102,8 +102,12 @@ class Catalog:
                 f"dataset {name_or_path!r} is not served here; datasets: {self.names()}"
                 + ("" if self.data_roots else " (no data roots are configured, so paths are not accepted)")
             )
-        candidate = os.path.join(self.data_roots[0], name_or_path)
-        if not os.path.lexists(candidate):
+        # A relative path is looked up under each root in turn (the first that has it
+        # wins); os.path.join keeps an absolute one as it is.
+        candidate = next(
+            (c for c in (os.path.join(r, name_or_path) for r in self.data_roots) if os.path.lexists(c)), None
+        )
+        if candidate is None:
             raise UnknownDatasetError(
                 f"dataset {name_or_path!r} is not served here, nor a path under the data roots "
                 f"{list(self.data_roots)}; datasets: {self.names()}"

@@ -22,7 +22,7 @@ from .convert import chunk_to_proto, dataset_info_to_proto, header_to_proto
 from .metrics import ServerMetrics
 from .planner import BatchRangeError, EpochPlan, PlanError
 from .readers.base import DatasetError, OutsideRootsError, UnknownColumnError
-from .scheduler import Dealer, FetchLimits, ReadBudget, StreamRange
+from .scheduler import ChunkTooLargeError, Dealer, FetchLimits, ReadBudget, StreamRange
 
 log = logging.getLogger("croupier.server")
 
@@ -36,6 +36,7 @@ def status_for(exc: BaseException) -> grpc.StatusCode:
         (PlanError, grpc.StatusCode.INVALID_ARGUMENT),
         (UnknownColumnError, grpc.StatusCode.INVALID_ARGUMENT),
         (DatasetError, grpc.StatusCode.DATA_LOSS),  # corrupt or truncated files and samples
+        (ChunkTooLargeError, grpc.StatusCode.RESOURCE_EXHAUSTED),  # a sample over the message limit
         (FileNotFoundError, grpc.StatusCode.NOT_FOUND),
     ):
         if isinstance(exc, kind):
@@ -64,9 +65,12 @@ class CroupierService(pb_grpc.CroupierServicer):
         max_reads: int,
         executor: concurrent.futures.Executor,
         metrics: ServerMetrics,
+        max_message_bytes: int | None = None,
     ):
         self.catalog = catalog
         self.limits = limits
+        #: The server's gRPC send limit: chunks are split to stay under it.
+        self.max_message_bytes = max_message_bytes
         self.server_reads = ReadBudget(max_reads)
         self.executor = executor
         self.metrics = metrics
@@ -126,6 +130,7 @@ class CroupierService(pb_grpc.CroupierServicer):
                     server_reads=self.server_reads,
                     executor=self.executor,
                     observer=self.metrics.reads,
+                    max_message_bytes=self.max_message_bytes,
                 )
             except (LookupError, DatasetError, PlanError, OSError) as exc:
                 outcome = None
@@ -140,7 +145,7 @@ class CroupierService(pb_grpc.CroupierServicer):
                     self.metrics.bytes.labels(name).inc(chunk.payload.nbytes)
                     self.metrics.chunks.labels(name).inc()
                     self.metrics.batches.labels(name).inc(len(chunk.completed_batches))
-            except (DatasetError, OSError) as exc:
+            except (DatasetError, OSError, ChunkTooLargeError) as exc:
                 outcome = None
                 await self._abort(context, exc, what)
                 return

@@ -32,6 +32,21 @@ def _still_serves(address: str) -> None:
     assert sorted(got) == list(range(50))
 
 
+def _arrow_with_corrupt_offsets(path: Path, n: int = 100) -> None:
+    """A valid Arrow file of 2 record batches with a string column, then one string
+    offset of rows 0..49 pointed 1 GiB past the file: it passes `Table.validate()`."""
+    table = pa.table({"id": np.arange(n), "s": ["x"] * n})
+    with pa.ipc.new_file(path, table.schema) as w:
+        w.write_table(table, max_chunksize=n // 2)
+    raw = bytearray(path.read_bytes())
+    offsets = np.arange(n // 2 + 1, dtype=np.int32).tobytes()  # each batch's offsets buffer
+    at = raw.find(offsets)
+    assert at > 0
+    raw[at + 4 * 10 : at + 4 * 11] = np.int32(1 << 30).tobytes()
+    path.write_bytes(bytes(raw))
+    pa.ipc.open_file(pa.memory_map(str(path))).read_all().validate()  # the structure still checks out
+
+
 def _png(value: int) -> bytes:
     buf = io.BytesIO()
     Image.fromarray(np.full((8, 8, 3), value, np.uint8)).save(buf, format="PNG")
@@ -46,6 +61,7 @@ def data_root(tmp_path: Path) -> Path:
     with pa.ipc.new_file(root / "good.arrow", table.schema) as w:
         w.write_table(table)
     (root / "corrupt.arrow").write_bytes(b"ARROW1\x00\x00" + bytes(range(256)) * 4)
+    _arrow_with_corrupt_offsets(root / "bad_offsets.arrow")
     pq.write_table(table, root / "truncated.parquet", row_group_size=10)
     data = (root / "truncated.parquet").read_bytes()
     (root / "truncated.parquet").write_bytes(data[: len(data) // 2])
@@ -123,12 +139,44 @@ def test_path_under_a_data_root_is_served(server) -> None:
     assert sorted(got) == list(range(100))
 
 
+def test_relative_path_is_looked_up_under_every_data_root(serve_inprocess, data_root: Path, tmp_path: Path) -> None:
+    second = tmp_path / "second"
+    second.mkdir()
+    table = pa.table({"x": np.arange(30)})
+    with pa.ipc.new_file(second / "only_here.arrow", table.schema) as w:
+        w.write_table(table)
+    srv = serve_inprocess(data_roots=[str(data_root), str(second)])
+    got = [i for b in Loader("only_here.arrow", servers=srv.address, batch_size=10).batches() for i in b.indices]
+    assert sorted(got) == list(range(30))
+    err = _stream_error(srv.address, dataset="nowhere.arrow", batch_size=4)
+    assert err.code() == grpc.StatusCode.NOT_FOUND and str(second) in err.details()
+
+
 @pytest.mark.parametrize("path", ["corrupt.arrow", "truncated.parquet", "broken_shards"])
 def test_corrupt_or_truncated_files_are_data_loss_naming_the_file(server, path: str) -> None:
     err = _stream_error(server.address, dataset=path, batch_size=2)
     assert err.code() in (grpc.StatusCode.DATA_LOSS, grpc.StatusCode.FAILED_PRECONDITION)
     assert Path(path).name in err.details()
     _still_serves(server.address)
+
+
+def test_corrupt_string_offsets_are_data_loss_and_other_streams_go_on(serve_process, data_root: Path) -> None:
+    # A subprocess: before the fix, taking these rows killed the server with SIGBUS.
+    srv = serve_process(["rows=synthetic:4000:1024", "--data-root", str(data_root),
+                         "--latency-ms", "2", "--latency-distribution", "fixed"])
+    good = Loader("rows", servers=srv.address, batch_size=50, prefetch=1, max_retries=0, buffer_batches=1)
+    got: list[int] = []
+    for b in good.batches():
+        got += b.indices.tolist()
+        if len(got) == 50:  # the good stream is open mid-epoch while the bad one fails
+            err = _stream_error(srv.address, dataset="bad_offsets.arrow", batch_size=50)
+            assert err.code() == grpc.StatusCode.DATA_LOSS
+            assert "bad_offsets.arrow" in err.details() and "rows 0..49" in err.details()
+    assert sorted(got) == list(range(4000))
+    assert srv.proc.poll() is None
+    # Validation is per column: the intact one still streams.
+    rows = Loader("bad_offsets.arrow", servers=srv.address, batch_size=10, max_retries=0, columns=["id"])
+    assert sorted(i for b in rows.batches() for i in b.data["id"].tolist()) == list(range(100))
 
 
 def test_bytes_that_are_not_an_image_name_the_file_and_index(server) -> None:
@@ -138,6 +186,27 @@ def test_bytes_that_are_not_an_image_name_the_file_and_index(server) -> None:
     assert info.value.code == grpc.StatusCode.DATA_LOSS
     assert "9.png" in str(info.value)
     _still_serves(server.address)
+
+
+def test_len_and_iteration_refuse_an_impossible_batch_size_alike(server) -> None:
+    loader = Loader("rows", servers=server.address, batch_size=51, max_retries=0)
+    with pytest.raises(LoaderError) as by_len:
+        len(loader)
+    with pytest.raises(LoaderError) as by_iteration:
+        list(loader)
+    assert by_len.value.code == by_iteration.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert "larger than the dataset (50 rows)" in str(by_len.value)
+    assert "larger than the dataset (50 rows)" in str(by_iteration.value)
+
+
+def test_a_row_over_the_message_limit_fails_at_once_naming_the_limit(serve_inprocess) -> None:
+    srv = serve_inprocess(datasets=["rows=synthetic:4:2000000"], max_message_bytes=1 << 20)
+    loader = Loader("rows", servers=srv.address, batch_size=2, max_retries=3, retry_backoff_s=0.01)
+    with pytest.raises(LoaderError) as info:
+        list(loader)
+    assert info.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "--max-message-mb" in str(info.value)
+    assert loader.stats.reconnects == 0  # retrying would send the same message again
 
 
 def test_bad_server_config_file_names_the_setting(tmp_path: Path) -> None:

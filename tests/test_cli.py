@@ -17,8 +17,10 @@ def test_help_explains_the_knobs() -> None:
     out = subprocess.run([sys.executable, "-m", "croupier.cli", "serve", "--help"], capture_output=True,
                          text=True, check=True).stdout
     for flag in ("--port", "--data-root", "--max-reads", "--max-reads-per-stream", "--prefetch",
-                 "--max-buffered-mb", "--latency-ms", "--metrics-port", "--grace", "--config"):
+                 "--max-prefetch", "--max-buffered-mb", "--chunk-kb", "--latency-ms", "--metrics-port",
+                 "--grace", "--config"):
         assert flag in out
+    assert "(default 1024," in " ".join(out.split())  # --chunk-kb: under grpc's default 4 MiB receive limit
     assert "synthetic:ROWS" in out
 
 
@@ -28,10 +30,11 @@ def test_flags_override_the_config_file(tmp_path: Path) -> None:
         "datasets: [a=synthetic:10]\nport: 6000\nmax_reads: 100\nchunk_samples: 16\n"
         "latency: {median_ms: 5, distribution: fixed}\n"
     )
-    config = build_server_config(_serve_args("--config", str(cfg), "--port", "7000", "--latency-ms", "2"))
+    config = build_server_config(_serve_args("--config", str(cfg), "--port", "7000", "--latency-ms", "2",
+                                             "--max-prefetch", "32"))
     assert config.datasets == ("a=synthetic:10",)
     assert config.port == 7000 and config.max_reads == 100
-    assert config.limits.chunk_samples == 16
+    assert config.limits.chunk_samples == 16 and config.limits.max_prefetch == 32
     assert config.latency is not None
     assert (config.latency.median_ms, config.latency.distribution) == (2, "fixed")
 

@@ -121,6 +121,48 @@ def test_slow_sample_arrives_after_the_rest_of_its_batch_on_the_wire(serve_inpro
     )
 
 
+def _stub_chunks(address: str, **opts) -> list:
+    """The chunks of one stream, read with the generated stubs and grpc's default limits."""
+    import grpc
+
+    from croupier.options import StreamOptions
+    from croupier.v1 import croupier_pb2_grpc
+
+    with grpc.insecure_channel(address) as ch:
+        stub = croupier_pb2_grpc.CroupierStub(ch)
+        return [m.chunk for m in stub.StreamEpoch(StreamOptions(**opts).to_proto(), timeout=60) if m.HasField("chunk")]
+
+
+def test_chunks_of_table_rows_flush_by_bytes(serve_process, tmp_path) -> None:
+    import pyarrow as pa
+
+    table = pa.table({"id": np.arange(100), "text": ["x" * 20_000] * 100})
+    with pa.ipc.new_file(tmp_path / "big.arrow", table.schema) as w:
+        w.write_table(table)
+    srv = serve_process([f"big={tmp_path / 'big.arrow'}", "--chunk-kb", "64", "--chunk-samples", "64"])
+    chunks = _stub_chunks(srv.address, dataset="big", batch_size=50)
+    # Rows of ~20 KB reach 64 KiB at the 4th: far below the 64-sample count limit.
+    assert max(len(c.indices) for c in chunks) == 4
+    assert max(len(c.arrow_ipc) for c in chunks) < 100 << 10
+    assert sorted(i for c in chunks for i in c.indices) == list(range(100))
+
+
+def test_default_chunks_fit_grpc_default_receive_limit(serve_inprocess) -> None:
+    # 48 rows of 300 KB: one 64-sample chunk would be 14 MB, over grpc's default 4 MiB.
+    srv = serve_inprocess(datasets=["rows=synthetic:48:300000"])
+    chunks = _stub_chunks(srv.address, dataset="rows", batch_size=48)
+    assert sorted(i for c in chunks for i in c.indices) == list(range(48))
+
+
+def test_a_finished_epoch_iterated_again_yields_it_again(serve_inprocess) -> None:
+    srv = serve_inprocess(datasets=["rows=synthetic:200"])
+    loader = Loader("rows", servers=srv.address, batch_size=32, seed=5)
+    first = [b["index"].tolist() for b in loader]
+    second = [b["index"].tolist() for b in loader]  # no set_epoch, as with a DataLoader
+    assert len(first) == 7
+    assert second == first
+
+
 def test_async_iteration_gives_the_same_batches(serve_inprocess) -> None:
     srv = serve_inprocess(datasets=["rows=synthetic:300"])
 

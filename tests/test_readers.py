@@ -436,10 +436,10 @@ def test_unknown_layout_names_the_path_and_lists_the_formats(tmp_path: Path) -> 
 def _recorded_delays(monkeypatch, reader: LatencyInjected, indices) -> list[float]:
     delays: list[float] = []
 
-    async def fake_sleep(delay: float) -> None:
+    async def fake_wait(delay: float) -> None:
         delays.append(delay)
 
-    monkeypatch.setattr(latency_module.asyncio, "sleep", fake_sleep)
+    monkeypatch.setattr(latency_module, "wait", fake_wait)
 
     async def go() -> None:
         for i in indices:

@@ -9,7 +9,7 @@ import pytest
 
 from croupier.server.planner import EpochPlan
 from croupier.server.readers.synthetic import SyntheticReader
-from croupier.server.scheduler import Dealer, FetchLimits, ReadBudget, StreamRange
+from croupier.server.scheduler import ChunkTooLargeError, Dealer, FetchLimits, ReadBudget, StreamRange
 
 
 class GatedReader(SyntheticReader):
@@ -17,8 +17,8 @@ class GatedReader(SyntheticReader):
 
     read_does_io = True
 
-    def __init__(self, n: int, delays: dict[int, float] | None = None, default: float = 0.0):
-        super().__init__("gated", n)
+    def __init__(self, n: int, delays: dict[int, float] | None = None, default: float = 0.0, row_bytes: int = 64):
+        super().__init__("gated", n, row_bytes)
         self.delays = delays or {}
         self.default = default
         self.issued: list[int] = []
@@ -128,6 +128,9 @@ def test_buffered_bytes_bound_pauses_new_batches() -> None:
         def encode(self, items, columns=(), decode_images=False):
             return super().encode(list(range(len(items))))
 
+        def item_sizer(self, columns=()):
+            return len  # its items are the bytes themselves, not indices
+
     async def scenario() -> None:
         reader = BigItems(n)
         limits = FetchLimits(max_buffered_bytes=5_000, chunk_samples=4, max_reads_per_stream=10)
@@ -140,6 +143,82 @@ def test_buffered_bytes_bound_pauses_new_batches() -> None:
         await dealer.aclose()
 
     asyncio.run(scenario())
+
+
+def test_buffered_bytes_bound_counts_the_rows_of_table_datasets() -> None:
+    # Table readers' items are bare indices: the bound must count their rows' bytes.
+    n = 400
+    plan = EpochPlan(n, seed=3, epoch=0, batch_size=10)
+
+    async def scenario() -> None:
+        reader = GatedReader(n, row_bytes=1000)
+        limits = FetchLimits(max_buffered_bytes=5_000, chunk_samples=4, max_reads_per_stream=10)
+        dealer = Dealer(reader, plan, StreamRange.of(plan, 0), prefetch=20, limits=limits).__aiter__()
+        await dealer.__anext__()
+        await asyncio.sleep(0.2)
+        assert len(reader.issued) <= 4 + 6 + 10 + 1
+        await dealer.aclose()
+
+    asyncio.run(scenario())
+
+
+def test_prefetch_is_clamped_to_the_server_maximum() -> None:
+    n = 1000
+    plan = EpochPlan(n, seed=2, epoch=0, batch_size=20)
+
+    async def scenario() -> None:
+        reader = GatedReader(n)
+        limits = FetchLimits(max_prefetch=2)
+        dealer = Dealer(reader, plan, StreamRange.of(plan, 0), prefetch=2**32 - 1, limits=limits)
+        assert dealer.prefetch == 2
+        stream = dealer.__aiter__()
+        await stream.__anext__()  # take one chunk, then stop consuming
+        await asyncio.sleep(0.2)
+        assert len(reader.issued) <= 20 * 3
+        await stream.aclose()
+
+    asyncio.run(scenario())
+
+
+def test_chunks_flush_by_bytes_for_table_rows() -> None:
+    n = 96
+    plan = EpochPlan(n, seed=4, epoch=0, batch_size=32)
+    reader = GatedReader(n, row_bytes=10_000)
+    limits = FetchLimits(chunk_samples=64, chunk_bytes=32 << 10, flush_delay_s=10.0)
+    chunks = asyncio.run(_collect(Dealer(reader, plan, StreamRange.of(plan, 0), limits=limits, prefetch=0)))
+    # 4 rows of ~10 KB reach 32 KiB: far fewer samples than the count limit.
+    assert max(len(c.refs) for c in chunks) == 4
+    assert sum(len(c.refs) for c in chunks) == n
+
+
+def test_chunks_flush_after_the_delay_while_their_batch_waits() -> None:
+    n = 64
+    plan = EpochPlan(n, seed=4, epoch=0, batch_size=64)
+    fast = plan.rank_batch(0, 0).indices[:3].tolist()
+    reader = GatedReader(n, delays={i: 0.0 for i in fast}, default=0.5)
+    limits = FetchLimits(chunk_samples=64, chunk_bytes=1 << 30, flush_delay_s=0.01)
+    chunks = asyncio.run(_collect(Dealer(reader, plan, StreamRange.of(plan, 0), limits=limits)))
+    # Neither count, bytes nor a whole batch: only the delay can have flushed them.
+    assert sorted(r.index for r in chunks[0].refs) == sorted(fast)
+    assert not chunks[0].completed_batches
+
+
+def test_a_chunk_over_the_message_limit_is_split() -> None:
+    n = 64
+    plan = EpochPlan(n, seed=4, epoch=0, batch_size=64)
+    reader = GatedReader(n, row_bytes=10_000)
+    limits = FetchLimits(chunk_samples=64, chunk_bytes=1 << 30, flush_delay_s=10.0)
+    dealer = Dealer(reader, plan, StreamRange.of(plan, 0), limits=limits, max_message_bytes=100_000)
+    chunks = asyncio.run(_collect(dealer))
+    assert len(chunks) > 1 and all(c.payload.nbytes < 100_000 for c in chunks)
+    assert sorted(r.index for c in chunks for r in c.refs) == list(range(n))
+    for c in chunks:
+        assert _rows(c) == [r.index for r in c.refs]
+    assert [c.completed_batches for c in chunks] == [[]] * (len(chunks) - 1) + [[0]]
+
+    one_row = Dealer(reader, plan, StreamRange.of(plan, 0), limits=limits, max_message_bytes=5_000)
+    with pytest.raises(ChunkTooLargeError, match="larger than max message size 5000"):
+        asyncio.run(_collect(one_row))
 
 
 def test_chunks_flush_by_count_and_when_a_batch_completes() -> None:

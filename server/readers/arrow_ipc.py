@@ -36,7 +36,9 @@ def open_ipc_table(path: Path) -> pa.Table:
     try:
         reader = pa.ipc.open_file(source) if file_format else pa.ipc.open_stream(source)
         table = reader.read_all()
-        table.validate()  # structure only: O(columns x chunks), no scan of the data
+        # Structure only: O(columns x chunks), no scan of the data. Values (string
+        # offsets) are checked per record batch on first use, by RowTaker.take.
+        table.validate()
     except (pa.ArrowInvalid, OSError, ValueError) as exc:
         raise DatasetError(f"{path}: not a readable Arrow IPC {kind} (corrupt or truncated?): {exc}") from exc
     return table
@@ -67,7 +69,11 @@ class TableReader(IndexReader):
             table = table.select([c for c in table.column_names if c in columns])
         #: The whole dataset as one zero-copy table over the mapped files.
         self.table = table
-        self._rows = RowTaker(self.table)
+        self._rows = RowTaker(self.table, [(str(f), t.num_rows) for f, t in zip(files, tables)])
+        # Bytes per row of each column, from buffer sizes only: reading offsets could
+        # trust a corrupt file, and scanning the data would fault it all in at start.
+        rows = max(table.num_rows, 1)
+        self._row_bytes = {c: -(-table.column(c).get_total_buffer_size() // rows) for c in table.column_names}
 
     def __len__(self) -> int:
         return self.table.num_rows
@@ -75,12 +81,17 @@ class TableReader(IndexReader):
     def info(self) -> DatasetInfo:
         return table_info(self, self.table.schema)
 
+    def row_nbytes(self, columns: Sequence[str] = ()) -> int:
+        return sum(self._row_bytes.get(c, 0) for c in (columns or self._row_bytes))
+
     def encode(self, items: Sequence[int], columns: Sequence[str] = (), decode_images: bool = False) -> TablePayload:
         what = f"{self.format} dataset {self.name!r} ({self.path})"
         columns = checked_columns(self.table.column_names, columns, what) if columns else ()
         try:
             rows = self._rows.take(np.asarray(items, dtype=np.int64), columns)
-        except (pa.ArrowInvalid, OSError) as exc:
+        except DatasetError as exc:  # a corrupt record batch; the message names its file
+            raise DatasetError(f"{what}: {exc}") from exc
+        except (pa.ArrowInvalid, pa.ArrowIndexError, OSError) as exc:
             raise DatasetError(f"{what}: cannot take rows {list(items)[:8]}: {exc}") from exc
         return to_ipc_payload(rows)
 

@@ -2,8 +2,8 @@
 
 A read has two halves so that the scheduler can overlap I/O and batch CPU work:
 
-* `read(index)` is the per-sample I/O, awaited concurrently with many others (aiofiles
-  or a bounded executor). It returns an opaque *item*: bytes of an image file, a
+* `read(index)` is the per-sample I/O, awaited concurrently with many others (one call
+  on the bounded executor per file read). It returns an opaque *item*: bytes of an image file, a
   one-row Arrow slice, or just the index where the I/O happens later (memory-mapped
   Arrow, whose pages fault in during `encode`).
 * `encode(items)` turns the items of samples whose reads have completed into one
@@ -101,6 +101,18 @@ class ImagePayload:
 Payload = TablePayload | ImagePayload
 
 
+def item_nbytes(item: Any) -> int:
+    """Payload bytes of a read item that holds its data (bytes, a record, a row slice)."""
+    if isinstance(item, (bytes, bytearray, memoryview)):
+        return len(item)
+    if isinstance(item, dict):
+        return sum(item_nbytes(v) for v in item.values())
+    if isinstance(item, tuple):
+        return sum(len(v) for v in item if isinstance(v, bytes))
+    nbytes = getattr(item, "nbytes", None)
+    return nbytes if isinstance(nbytes, int) else 0
+
+
 class Reader(abc.ABC):
     """Random access by global index to one dataset, with async reads."""
 
@@ -139,6 +151,14 @@ class Reader(abc.ABC):
     def encode(self, items: Sequence[Any], columns: Sequence[str] = (), decode_images: bool = False) -> Payload:
         """Build one payload from completed items (blocking; runs in the executor)."""
 
+    def item_sizer(self, columns: Sequence[str] = ()) -> Callable[[Any], int]:
+        """item -> the bytes it adds to a chunk of `columns` (an estimate is fine).
+
+        The scheduler flushes chunks and bounds a stream's buffered bytes with it, so
+        it must not say 0 for an item that is just an index (see IndexReader).
+        """
+        return item_nbytes
+
     def read_now(self, index: int) -> Any:
         """The item of `index` without awaiting: only for readers whose read does no I/O."""
         raise NotImplementedError(f"{type(self).__name__} reads do I/O: await read()")
@@ -171,6 +191,15 @@ class IndexReader(Reader):
     def read_now(self, index: int) -> int:
         self.check_index(index)
         return index
+
+    @abc.abstractmethod
+    def row_nbytes(self, columns: Sequence[str] = ()) -> int:
+        """The payload bytes of an average row of `columns` (all when empty): the
+        items carry no data to measure, so chunks are sized by this estimate."""
+
+    def item_sizer(self, columns: Sequence[str] = ()) -> Callable[[Any], int]:
+        estimate = self.row_nbytes(columns)
+        return lambda _index: estimate
 
     async def read(self, index: int) -> int:
         return self.read_now(index)

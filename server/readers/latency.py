@@ -26,6 +26,14 @@ from .base import DatasetInfo, Payload, Reader
 DISTRIBUTIONS = ("fixed", "uniform", "lognormal")
 
 
+async def wait(delay: float) -> None:
+    """Sleep `delay` seconds, waking at the nearest millisecond of the loop's clock: reads
+    due within the same millisecond then share one loop wake-up (the scheduler's timer
+    wheel does the same), and the mean delay is unchanged."""
+    now = asyncio.get_running_loop().time()
+    await asyncio.sleep(max(round((now + delay) * 1000) / 1000 - now, 0))
+
+
 class LatencySampler:
     """Seeded draws of read delays in seconds, in blocks (one numpy call per 4096 reads)."""
 
@@ -99,7 +107,7 @@ class LatencyInjected(Reader):
 
     async def read(self, index: int) -> Any:
         delay = self.overrides.get(index)
-        await asyncio.sleep(self.sampler() if delay is None else delay)
+        await wait(self.sampler() if delay is None else delay)
         return await self.inner.read(index)
 
     def read_later(self, index: int) -> tuple[float, Callable[[int], Any]] | None:
@@ -109,6 +117,9 @@ class LatencyInjected(Reader):
             return None
         delay = self.overrides.get(index)
         return (self.sampler() if delay is None else delay), self.inner.read_now
+
+    def item_sizer(self, columns: Sequence[str] = ()) -> Callable[[Any], int]:
+        return self.inner.item_sizer(columns)
 
     def encode(self, items: Sequence[Any], columns: Sequence[str] = (), decode_images: bool = False) -> Payload:
         return self.inner.encode(items, columns, decode_images)

@@ -48,6 +48,10 @@ class SyntheticReader(IndexReader):
             arrow_schema=SCHEMA.serialize().to_pybytes(),
         )
 
+    def row_nbytes(self, columns: Sequence[str] = ()) -> int:
+        sizes = {"index": 8, "value": 8, "payload": self.row_bytes + 4}  # + the int32 offset
+        return sum(sizes[c] for c in (columns or sizes) if c in sizes)
+
     def encode(self, items: Sequence[int], columns: Sequence[str] = (), decode_images: bool = False) -> TablePayload:
         idx = np.asarray(items, dtype=np.int64)
         table = pa.table(
