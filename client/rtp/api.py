@@ -25,15 +25,47 @@ from .split import Split
 DEFAULT_CHUNK_BYTES = 16 * 2**20
 
 
+def uses_nccl(backend: str) -> bool:
+    """Whether a group's backend string ("nccl", or a mix such as "cpu:gloo,cuda:nccl") includes NCCL."""
+    return "nccl" in backend
+
+
+def _local_cuda_index() -> int:
+    local = os.environ.get("LOCAL_RANK")
+    index = int(local) if local is not None else torch.cuda.current_device()
+    count = torch.cuda.device_count()
+    if not 0 <= index < count:
+        raise ValueError(f"RotatedTensorParallel: LOCAL_RANK={local} but this process sees {count} CUDA "
+                         "device(s); pass device= explicitly")
+    return index
+
+
 def _device_for(ring: Ring, module: nn.Module, device: torch.device | str | None) -> torch.device:
+    """Where this rank's shards live.
+
+    An explicit `device` is honoured ("cuda" without an index means cuda:LOCAL_RANK when the
+    group uses NCCL, else the current device). Otherwise a pure NCCL group means
+    cuda:LOCAL_RANK (the current device when LOCAL_RANK is unset), and any other group, a
+    mixed "cpu:gloo,cuda:nccl" one included, keeps the module where it is. Whenever NCCL can
+    carry the shards (a CUDA device, a group using NCCL) that device is made current: NCCL's
+    communicators and batch_isend_irecv use the current device, and a rank left on another
+    one hangs or corrupts its peers' transfers.
+    """
+    nccl = uses_nccl(ring.backend)
     if device is not None:
-        return torch.device(device)
-    if ring.backend == "nccl":
-        local = int(os.environ.get("LOCAL_RANK", torch.cuda.current_device()))
-        torch.cuda.set_device(local)
-        return torch.device("cuda", local)
-    first = next(itertools.chain(module.parameters(), module.buffers()), None)
-    return first.device if first is not None else torch.device("cpu")
+        dev = torch.device(device)
+        if dev.type == "cuda" and dev.index is None:
+            dev = torch.device("cuda", _local_cuda_index() if nccl else torch.cuda.current_device())
+    elif ring.backend == "nccl":
+        dev = torch.device("cuda", _local_cuda_index())
+    else:
+        first = next(itertools.chain(module.parameters(), module.buffers()), None)
+        dev = first.device if first is not None else torch.device("cpu")
+    if nccl and dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    elif ring.backend == "nccl":
+        raise ValueError(f"RotatedTensorParallel: the nccl backend moves CUDA tensors only, not {dev}")
+    return dev
 
 
 class RotatedTensorParallel(nn.Module):
@@ -77,7 +109,9 @@ class RotatedTensorParallel(nn.Module):
         module: the model; moved to ``device``.
         process_group: the ranks to shard over (default: the whole world). Ring peers are
             this group's members, so several independent groups can train side by side.
-        device: defaults to ``cuda:LOCAL_RANK`` with NCCL, else where the module is.
+        device: defaults to ``cuda:LOCAL_RANK`` with NCCL, else where the module is. With a
+            group using NCCL, a CUDA device (given or default) is made current with
+            ``torch.cuda.set_device``.
         sync_module_states: start every rank from group rank 0's parameters and buffers.
         chunk_bytes: a Linear, Embedding, LayerNorm or ungrouped Conv2d whose shard is larger
             rotates in slices of about this size, bounding the bytes in flight (None: never).
@@ -88,12 +122,16 @@ class RotatedTensorParallel(nn.Module):
                  chunk_bytes: int | None = DEFAULT_CHUNK_BYTES):
         super().__init__()
         ring = Ring(process_group)
-        module.to(_device_for(ring, module, device))
+        dev = _device_for(ring, module, device)
+        module.to(dev)
+        plan = plan_model(module, ring.size)
+        # The group's first call is a collective of every rank, never a ring shift: see Ring.join.
+        ring.join(dev, [sum(p.split.numel(s) for p in pl.plan.params for s in range(ring.size))
+                        for pl in plan.layers])
         if sync_module_states and ring.size > 1:
             with torch.no_grad():
                 for t in itertools.chain(module.parameters(), module.buffers()):
                     ring.broadcast_(t.data)
-        plan = plan_model(module, ring.size)
         self._ring = ring
         self._ring_buffers = RingBuffers()
         self._splits: dict[int, Split] = {}

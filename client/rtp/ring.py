@@ -55,8 +55,13 @@ class Ring:
               tag: int) -> Transfer:
         """Start sending `send` one step along `direction` and receiving into `recv`.
 
-        Sender and receiver always agree on a shard's size, so empty shards are simply
-        skipped on both sides. One batch lets NCCL pair the two calls without deadlock.
+        Sender and receiver always agree on a shard's size (the send of shard s from rank r
+        and its receive on r's neighbour are sized by the same Split), so an empty message is
+        skipped on both sides, and a rank with nothing to send or receive at a step makes no
+        call. That is why `join` must run first: torch requires every rank of a group to take
+        part in the group's first call when it is a batch_isend_irecv (NCCL creates the
+        group's communicator there), and a rank whose shards of the first layer are empty
+        would skip it. One batch lets NCCL pair the two calls without deadlock.
         """
         to, frm = (self._next, self._prev) if direction == FORWARD else (self._prev, self._next)
         ops = []
@@ -65,6 +70,28 @@ class Ring:
         if recv is not None and recv.numel() > 0:
             ops.append(dist.P2POp(dist.irecv, recv, frm, self.group, tag))
         return Transfer(dist.batch_isend_irecv(ops) if ops else [])
+
+    def join(self, device: torch.device, layer_sizes: list[int]) -> None:
+        """A collective of every rank at wrap time, before any ring shift: the group's first call.
+
+        Ring shifts may leave ranks out (see `shift`), and torch allows that only after a
+        first call in which the whole group took part; with NCCL that call creates the
+        group's communicator on `device` (the current device) for every rank at once.
+        It doubles as a check that every rank planned the same rotating layers: a mismatch
+        would otherwise deadlock or mix up shards at the first forward.
+        """
+        if self.size == 1:
+            return
+        mine = torch.tensor([len(layer_sizes), sum(layer_sizes), hash(tuple(layer_sizes)) % 2**62],
+                            dtype=torch.int64, device=device)
+        # One all-reduce finds both extremes: the max of each value and of its negation.
+        both = torch.cat([mine, -mine])
+        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=self.group)
+        n = mine.numel()
+        if not torch.equal(both[:n], -both[n:]):
+            raise RuntimeError("RotatedTensorParallel: the ranks of the group planned different layers "
+                               f"(this rank: {len(layer_sizes)} rotating layers of {sum(layer_sizes)} elements); "
+                               "every rank must wrap the same model")
 
     def broadcast_(self, tensor: torch.Tensor) -> None:
         """Overwrite `tensor` with group rank 0's copy."""

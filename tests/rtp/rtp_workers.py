@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import sys
 import warnings
+from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -21,7 +22,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from rtp_models import CASES, global_batch, micro_batch  # noqa: E402
+from rtp_models import CASES, EDGE, WIDE_CNN, global_batch, micro_batch  # noqa: E402
 
 from croupier.client.rtp import Position, ReplicatedLayerWarning, RotatedTensorParallel, state_bytes  # noqa: E402
 
@@ -280,8 +281,26 @@ def dropout_gradient(out: Path) -> dict[str, Any]:
     return {"dropout_fd_err": (abs(fd - slope) / abs(slope)).item()}
 
 
+def model_state_of_wide_cnn() -> dict[str, Any]:
+    """Per-rank model state of the widened CNN after one Adam step, and the whole model's."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    model = WIDE_CNN.build()
+    ref = copy.deepcopy(model)
+    rtp = RotatedTensorParallel(model)
+    opt, ref_opt = torch.optim.Adam(rtp.parameters()), torch.optim.Adam(ref.parameters())
+    x, y = global_batch(WIDE_CNN, 0, world, MICRO)
+    WIDE_CNN.loss(rtp(micro_batch(x, rank, MICRO)), micro_batch(y, rank, MICRO)).backward()
+    WIDE_CNN.loss(ref(x), y).backward()
+    opt.step()
+    ref_opt.step()
+    return {"state": rtp.state_bytes(opt), "whole_state": state_bytes(ref, ref_opt),
+            "n_sharded": sum(s is not None for s in rtp.sharding().values()), "n_params": len(rtp.sharding())}
+
+
 def equivalence(out: Path) -> dict[str, Any]:
     res = {name: train_and_compare(name, out, 1) for name in CASES}
+    res["cnn_wide"] = model_state_of_wide_cnn()
     # Adam divides by sqrt(v): parameters with a gradient that is zero in exact arithmetic (the
     # key bias of attention) follow float32 rounding noise to +-lr per step, identically wrong in
     # both models only by chance. Trajectories are therefore compared in float64.
@@ -300,7 +319,154 @@ def two_groups(out: Path) -> dict[str, Any]:
                for name in ("mlp", "gpt")}}
 
 
-SCENARIOS = {"equivalence": equivalence, "two_groups": two_groups}
+# Every torch.distributed entry point that is not point-to-point, and every ProcessGroup
+# method that communicates (all of torch.distributed's Python API ends in one of them).
+API_COLLECTIVES = ("all_gather", "all_gather_into_tensor", "all_gather_object", "all_reduce", "all_reduce_coalesced",
+                   "all_to_all", "all_to_all_single", "barrier", "broadcast", "broadcast_object_list", "gather",
+                   "gather_object", "monitored_barrier", "reduce", "reduce_scatter", "reduce_scatter_tensor",
+                   "scatter", "scatter_object_list")
+API_P2P = ("batch_isend_irecv", "send", "recv")  # not isend/irecv: P2POp accepts only the originals
+PG_COLLECTIVES = ("allreduce", "allreduce_coalesced", "allgather", "_allgather_base", "allgather_coalesced",
+                  "allgather_into_tensor_coalesced", "all_gather_single", "all_gather_single_coalesced",
+                  "all_to_all_single", "alltoall", "alltoall_base", "barrier", "monitored_barrier", "broadcast",
+                  "gather", "scatter", "reduce", "reduce_scatter", "_reduce_scatter_base", "reduce_scatter_single",
+                  "reduce_scatter_single_coalesced", "reduce_scatter_tensor_coalesced")
+PG_P2P = ("send", "recv", "recv_anysource")
+
+
+class CommLog:
+    """Wraps torch.distributed's functions and ProcessGroup's methods (until `restore()`) and
+    records this process's calls while `recording()`:
+    ("api", name) for public functions, ("pg", name) for ProcessGroup collectives, and
+    ("send", peer, numel, tag) / ("recv", peer, numel, tag) for every point-to-point message
+    (peers as group ranks)."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple] = []
+        self._active = False
+        self._originals: list[tuple[Any, str, Any]] = []
+        pg = dist.ProcessGroup
+        present = [n for n in PG_COLLECTIVES if hasattr(pg, n)]
+        assert {"allreduce", "allgather", "broadcast", "barrier", "reduce_scatter"} <= set(present)
+        for name in API_COLLECTIVES + API_P2P:
+            self._wrap(dist, name, lambda name, a, k: ("api", name))
+        for name in present:
+            self._wrap(pg, name, lambda name, a, k: ("pg", name))
+        for name in PG_P2P:
+            # ProcessGroup.send(tensors, dstRank, tag) / recv(tensors, srcRank, tag)
+            self._wrap(pg, name, lambda name, a, k: (name[:4], a[2] if len(a) > 2 else -1,
+                                                     sum(t.numel() for t in a[1]), a[3] if len(a) > 3 else 0))
+
+    def _wrap(self, owner: Any, name: str, entry: Any) -> None:
+        original = getattr(owner, name)
+        # Restored from the class __dict__: pybind11 methods must go back as their descriptor.
+        self._originals.append((owner, name, vars(owner).get(name, original)))
+
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            if self._active:
+                self.calls.append(entry(name, args, kwargs))
+            return original(*args, **kwargs)
+
+        setattr(owner, name, wrapper)
+
+    @contextmanager
+    def recording(self):
+        self._active = True
+        try:
+            yield self
+        finally:
+            self._active = False
+
+    def restore(self) -> None:
+        for owner, name, original in reversed(self._originals):
+            setattr(owner, name, original)
+
+
+def collectives(calls: list[tuple]) -> list[tuple]:
+    return [c for c in calls if c[0] in ("api", "pg") and c[1] not in API_P2P]
+
+
+def edge_cases(out: Path) -> dict[str, Any]:
+    """N=3: the edge-case model against one process in float64 (two optimizer steps, each
+    accumulating two micro-steps), with every torch.distributed call logged: while wrapping
+    (without sync_module_states) and during forward and backward, here and for the GPT and
+    MLP models."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    log = CommLog()
+    res: dict[str, Any] = {}
+    torch.manual_seed(0)  # every rank builds the same weights: no broadcast needed
+    model = EDGE.build().double()
+    ref = copy.deepcopy(model)
+    with warnings.catch_warnings(record=True) as caught, log.recording():
+        warnings.simplefilter("always")
+        rtp = RotatedTensorParallel(model, sync_module_states=False)
+    res["wrap_calls"], log.calls = log.calls, []
+    res["replicated_warnings"] = [str(w.message) for w in caught if issubclass(w.category, ReplicatedLayerWarning)]
+    res["shard_shapes"] = {name: tuple(p.shape) for name, p in rtp.module.named_parameters()}
+    res["n_sharded"] = sum(s is not None for s in rtp.sharding().values())
+    res["n_params"] = len(rtp.sharding())
+    frozen_before = rtp.module.frozen.weight.detach().clone()
+    opt = torch.optim.Adam(rtp.parameters(), lr=1e-2)
+    ref_opt = torch.optim.Adam(ref.parameters(), lr=1e-2)
+    res["loss_err"], res["grad_err"], res["frozen_grad_is_none"] = [], [], []
+    for step in range(2):
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        for micro in range(2):  # gradient accumulation: two backward passes per step
+            x, y = as_dtype(global_batch(EDGE, 2 * step + micro, world, MICRO), torch.float64)
+            ref_loss = EDGE.loss(ref(x), y)
+            ref_loss.backward()
+            with log.recording():
+                loss = EDGE.loss(rtp(micro_batch(x, rank, MICRO)), micro_batch(y, rank, MICRO))
+                loss.backward()
+            mean = loss.detach().clone()
+            dist.all_reduce(mean)
+            res["loss_err"].append(abs(mean.item() / world - ref_loss.item()))
+        res["grad_err"].append(worst({n: e for n, e in grad_errors_or_none(rtp, ref).items()}))
+        res["frozen_grad_is_none"].append(rtp.module.frozen.weight.grad is None and ref.frozen.weight.grad is None)
+        opt.step()
+        ref_opt.step()
+    res["edge_train_calls"], log.calls = log.calls, []
+    full, ref_sd = rtp.full_state_dict(), ref.state_dict()
+    res["param_err_after_adam"] = worst({k: rel_err(full[k], ref_sd[k]) for k in ref_sd})
+    res["frozen_unchanged"] = torch.equal(rtp.module.frozen.weight, frozen_before)
+
+    for name in ("gpt", "mlp"):  # one float32 training step each, forward and backward logged
+        case = CASES[name]
+        torch.manual_seed(0)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", ReplicatedLayerWarning)
+            wrapped = RotatedTensorParallel(case.build(), chunk_bytes=CHUNK_BYTES[name])
+        x, y = global_batch(case, 0, world, MICRO)
+        with log.recording():
+            case.loss(wrapped(micro_batch(x, rank, MICRO)), micro_batch(y, rank, MICRO)).backward()
+        res[f"{name}_train_calls"], log.calls = log.calls, []
+        res[f"{name}_n_replicated"] = sum(s is None for s in wrapped.sharding().values())
+
+    # Ranks that wrap different models are told so at wrap time instead of deadlocking later.
+    try:
+        RotatedTensorParallel(nn.Linear(4, 3 + rank))
+        res["mismatch_error"] = None
+    except RuntimeError as exc:
+        res["mismatch_error"] = str(exc)
+    log.restore()
+    return res
+
+
+def grad_errors_or_none(rtp: RotatedTensorParallel, ref: nn.Module) -> dict[str, float]:
+    """As `grad_errors`, with a parameter that has no gradient in both models counting as equal."""
+    ref_params = dict(ref.named_parameters(remove_duplicate=False))
+    errs = {}
+    for name, p in rtp.module.named_parameters(remove_duplicate=False):
+        want = ref_params[name].grad
+        if want is None or p.grad is None:
+            errs[name] = 0.0 if want is None and p.grad is None else float("inf")
+        else:
+            errs[name] = rel_err(p.grad, local_expected(rtp, name, want))
+    return errs
+
+
+SCENARIOS = {"equivalence": equivalence, "two_groups": two_groups, "edge_cases": edge_cases}
 
 
 def main() -> None:
