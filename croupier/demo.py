@@ -2,10 +2,11 @@
 
 It writes scikit-learn's handwritten digits once to a cache (ImageFolder PNGs, tar
 shards and Arrow tables, split 80/20 into train and test), starts `croupier serve` on a
-free loopback port, launches WORLD_SIZE trainer ranks with torch.distributed (gloo on
-CPU) that train an RTP-sharded CNN on batches streamed from the server, prints live
-progress and a summary (held-out accuracy, samples/s, out-of-order arrivals, time
-waiting for data), then stops the server and the ranks.
+free loopback port, launches WORLD_SIZE trainer ranks with torch.distributed (NCCL when
+each rank can have a GPU of its own, else gloo on CPUs) that train an RTP-sharded CNN on
+batches streamed from the server, prints live progress and a summary (held-out
+accuracy, samples/s, out-of-order arrivals, time waiting for data), then stops the
+server and the ranks.
 """
 
 from __future__ import annotations
@@ -102,7 +103,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         print("croupier demo: --world-size, --epochs and --batch-size must be at least 1", file=sys.stderr)
         return 2
     from croupier.demo_procs import RankGroup, ServerProcess
-    from croupier.demo_train import TrainOptions
+    from croupier.demo_train import TrainOptions, pick_backend
 
     t0 = time.perf_counter()
     servers = tuple(a for s in args.server for a in s.split(",") if a)
@@ -127,7 +128,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
                 label_column=args.label_column, features=tuple(f for f in args.features.split(",") if f),
                 summary_json=args.summary_json, timeout_s=args.timeout,
             )
-            _say(f"{args.world_size} ranks (gloo), each holding 1/{args.world_size} of the model (RTP); "
+            # The ranks run on this machine with LOCAL_WORLD_SIZE = world size: they pick the same.
+            backend = pick_backend(args.world_size)
+            _say(f"{args.world_size} ranks ({backend}), each holding 1/{args.world_size} of the model (RTP); "
                  f"{args.epochs} epoch{'s' if args.epochs != 1 else ''} of batch {args.batch_size} per rank, "
                  f"{'ordered' if args.ordered else 'unordered'} fetching")
             ranks = RankGroup("croupier.demo_train", opts.to_argv(), args.world_size, Path(tmp))

@@ -117,6 +117,7 @@ class Summary:
     servers: list[str]
     ordered: bool
     world_size: int
+    backend: str = ""  # torch.distributed's, as the ranks used it
     extra: dict[str, str] = field(default_factory=dict)
 
     def text(self) -> str:

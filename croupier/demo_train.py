@@ -135,13 +135,19 @@ def evaluate(model: torch.nn.Module, loader: Loader, opts: TrainOptions) -> tupl
     return correct, total
 
 
+def pick_backend(local_world_size: int) -> str:
+    """NCCL needs a GPU per rank on this node; with fewer, all ranks train on CPUs over gloo.
+
+    `croupier demo` asks the same question before it starts its ranks, to say which it will be.
+    """
+    return "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= local_world_size else "gloo"
+
+
 def train(opts: TrainOptions) -> Summary | None:
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-    # NCCL needs a GPU per rank on this node; with fewer, all ranks train on CPUs over gloo.
-    use_cuda = torch.cuda.is_available() and torch.cuda.device_count() >= int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-    device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if use_cuda else "cpu")
-    dist.init_process_group("nccl" if use_cuda else "gloo", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=opts.timeout_s))
+    backend = pick_backend(int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
+    device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if backend == "nccl" else "cpu")
+    dist.init_process_group(backend, rank=rank, world_size=world, timeout=timedelta(seconds=opts.timeout_s))
     try:
         return _train(opts, rank, world, device)
     finally:
@@ -225,6 +231,7 @@ def _summary(opts: TrainOptions, rows: list[dict[str, float]], correct: int, tot
         servers=list(opts.servers),
         ordered=opts.ordered,
         world_size=world,
+        backend=str(dist.get_backend()),
     )
 
 

@@ -39,6 +39,8 @@ def test_demo_on_a_fresh_machine_reaches_95_percent_held_out(tmp_path: Path) -> 
     assert result["accuracy"] >= 0.95
     assert result["test_samples"] == int(match.group(3)) == 355  # every test image, once
     assert result["train_samples"] == 2 * 1442 and result["world_size"] == 2
+    # the backend announced before the ranks start is the one they used (no GPU here: gloo)
+    assert result["backend"] == "gloo" and "croupier demo: 2 ranks (gloo), " in done.stdout
     assert len(result["samples_per_s_by_rank"]) == 2 and min(result["samples_per_s_by_rank"]) > 0
     assert re.search(r"out of order: [\d,]+ of [\d,]+ samples", done.stdout)
     assert re.search(r"waiting for data: [\d.]+s, [\d.]+s", done.stdout)
@@ -58,6 +60,40 @@ def test_demo_on_two_running_replicas_in_ordered_mode(serve_process, tmp_path: P
     assert result["accuracy"] >= 0.9  # an MLP over the Arrow table's pixels, two epochs
     assert result["servers"] == [r.address for r in replicas]
     assert not (tmp_path / "unused").exists()  # a running server needs no local data
+
+
+@pytest.mark.parametrize("gpus, backend", [(2, "nccl"), (1, "gloo")])
+def test_demo_announces_the_backend_its_ranks_pick(monkeypatch, capsys, gpus: int, backend: str) -> None:
+    # In-process, with the GPUs faked and the ranks not started: what the launcher prints
+    # must follow the ranks' own choice (NCCL once every rank can have a GPU), not a constant.
+    import signal
+
+    import torch
+
+    import croupier.demo_procs
+    from croupier.cli import main
+    from croupier.demo_train import pick_backend
+
+    launched = []
+
+    class Ranks:
+        def __init__(self, module, argv, world_size, workdir):
+            launched.append(world_size)
+
+        def wait(self, timeout_s):
+            return [0] * launched[-1]
+
+        def stop(self):
+            pass
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    monkeypatch.setattr(croupier.demo_procs, "RankGroup", Ranks)
+    monkeypatch.setattr(signal, "signal", lambda *a: None)
+    assert pick_backend(2) == backend
+    assert main(["demo", "--server", "127.0.0.1:1", "--world-size", "2"]) == 0
+    assert launched == [2]
+    assert f"croupier demo: 2 ranks ({backend}), each holding 1/2 of the model" in capsys.readouterr().out
 
 
 def test_demo_refuses_a_dataset_it_cannot_serve(tmp_path: Path) -> None:
