@@ -5,7 +5,9 @@ Unordered mode (the point of croupier): the reads of the current batch and of th
 each completed sample is sent in completion order. A batch therefore costs about the
 slowest of its reads, not their sum. Completed samples are grouped into chunks,
 flushed when a chunk holds `chunk_samples` samples or `chunk_bytes` bytes, when
-`flush_delay_s` has passed since its first sample, or as soon as a batch is whole.
+`flush_delay_s` has passed since its first sample, or as soon as the oldest batch not
+yet whole is whole (the one the trainer waits on; later batches that complete first
+ride along with it, in fewer and larger messages).
 Bytes are the reader's `item_sizer` (an estimate per row for memory-mapped tables,
 whose items are bare indices); an encoded chunk over the message size limit is split.
 
@@ -50,7 +52,7 @@ class FetchLimits:
     chunk_samples: int = 64
     #: 1 MiB: well under grpc's default 4 MiB receive limit of clients built from stubs.
     chunk_bytes: int = 1 << 20
-    flush_delay_s: float = 0.002
+    flush_delay_s: float = 0.005
     default_prefetch: int = 16
     #: Largest prefetch a stream gets: larger requests (and defaults) are clamped to it.
     max_prefetch: int = 256
@@ -233,6 +235,8 @@ class _Pending:
         self.items: list[Any] = []
         self.nbytes = 0
         self.completed: list[int] = []
+        #: The oldest batch not yet whole became whole: the trainer waits on it, send now.
+        self.urgent = False
         self.deadline = 0.0
 
     def add(self, ref: SampleRef, item: Any, nbytes: int, flush_delay_s: float) -> None:
@@ -243,7 +247,7 @@ class _Pending:
         self.nbytes += nbytes
 
     def full(self, limits: FetchLimits) -> bool:
-        return len(self.refs) >= limits.chunk_samples or self.nbytes >= limits.chunk_bytes or bool(self.completed)
+        return len(self.refs) >= limits.chunk_samples or self.nbytes >= limits.chunk_bytes or self.urgent
 
 
 class Dealer:
@@ -344,6 +348,7 @@ class Dealer:
                 pending.add(SampleRef(rb.batch, pos, index, pad), item, nbytes(item), 0.0)
                 if pos == last:
                     pending.completed.append(rb.batch)
+                    pending.urgent = True  # in order, every batch is the oldest when it completes
                 if pending.full(self.limits):
                     for chunk in await self._encode(pending):
                         yield chunk
@@ -452,6 +457,8 @@ class Dealer:
                     pending.add(ref, item, nbytes, limits.flush_delay_s)
                     unreceived[ref.batch] -= 1
                     if unreceived[ref.batch] == 0:
+                        # Batches enter `unreceived` in order, so its first key is the oldest.
+                        pending.urgent |= ref.batch == next(iter(unreceived))
                         del unreceived[ref.batch]
                         pending.completed.append(ref.batch)
                     if pending.full(limits):

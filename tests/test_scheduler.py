@@ -249,3 +249,21 @@ def test_cancelled_stream_returns_every_server_read_slot() -> None:
         assert budget.available == 64
 
     asyncio.run(scenario())
+
+
+def test_the_oldest_batch_completing_flushes_at_once_a_later_one_waits_for_company() -> None:
+    # Batch 0 waits on one slow read while batches 1 and 2 complete: the trainer cannot use
+    # them before batch 0, so they ride along in the chunk that batch 0's last sample sends.
+    n = 12
+    plan = EpochPlan(n, seed=2, epoch=0, batch_size=4)
+    slow = int(plan.rank_batch(0, 0).indices[1])
+    reader = GatedReader(n, delays={slow: 0.2}, default=0.0)
+    limits = FetchLimits(chunk_samples=64, flush_delay_s=10.0)
+    chunks = asyncio.run(_collect(Dealer(reader, plan, StreamRange.of(plan, 0), limits=limits, prefetch=2)))
+    assert len(chunks) == 1, [c.completed_batches for c in chunks]
+    assert chunks[0].completed_batches[-1] == 0 and sorted(chunks[0].completed_batches) == [0, 1, 2]
+    assert chunks[0].refs[-1].index == slow
+
+    # In order, the oldest batch is always the one completing: every batch goes out at once.
+    ordered = asyncio.run(_collect(Dealer(GatedReader(n), plan, StreamRange.of(plan, 0), limits=limits, ordered=True)))
+    assert [c.completed_batches for c in ordered] == [[0], [1], [2]]
