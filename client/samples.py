@@ -1,13 +1,15 @@
 """Turn a RawBatch into the list of samples a `collate_fn` expects.
 
 Table rows become dicts of column -> value; numeric list columns become tensors so
-that `default_collate` stacks them. Images are decoded with Pillow (or left encoded),
+that `default_collate` stacks them, and Hugging Face `Image` columns are decoded like
+images. Images are decoded with Pillow (or left encoded),
 giving {"image": uint8 CHW tensor | PIL image | bytes, "label": int}.
 """
 
 from __future__ import annotations
 
 import io
+import json
 from concurrent.futures import Executor
 from typing import Any, Literal
 
@@ -47,8 +49,44 @@ def _column_values(col: pa.ChunkedArray) -> list[Any]:
     return col.to_pylist()
 
 
-def table_samples(table: pa.Table) -> list[dict[str, Any]]:
+def hf_image_columns(schema: pa.Schema) -> list[str]:
+    """Columns that Hugging Face `datasets` features declare as `Image` (stored as a
+    struct of bytes and path; `load_from_disk` decodes them on access)."""
+    meta = (schema.metadata or {}).get(b"huggingface")
+    if not meta:
+        return []
+    try:
+        features = json.loads(meta).get("info", {}).get("features", {}) or {}
+    except (ValueError, AttributeError):
+        return []
+    return [name for name, f in features.items()
+            if isinstance(f, dict) and f.get("_type") == "Image" and name in schema.names]
+
+
+def _hf_image(value: dict[str, Any] | None, mode: ImageDecode, index: int, column: str) -> Any:
+    if value is None:
+        return None
+    data = value.get("bytes")
+    if data is None:
+        # The row points at a file on the server's disk, which this trainer cannot open.
+        raise SampleDecodeError(
+            f"sample {index}, column {column!r}: the Image feature holds only a path ({value.get('path')!r}), "
+            "no bytes; store the images' bytes in the dataset (datasets' Image(decode=True) on save) to serve it"
+        )
+    return decode_image(pb.Image(data=data, key=value.get("path") or ""), mode, index)
+
+
+def table_samples(
+    table: pa.Table, mode: ImageDecode = "tensor", indices: np.ndarray | None = None, pool: Executor | None = None
+) -> list[dict[str, Any]]:
+    """Rows as dicts; Hugging Face `Image` columns decoded as `mode` says, like image datasets."""
     columns = {name: _column_values(table.column(name)) for name in table.column_names}
+    if mode != "none":
+        idx = indices.tolist() if indices is not None else list(range(table.num_rows))
+        for name in hf_image_columns(table.schema):
+            values = columns[name]
+            args = (values, [mode] * len(values), idx, [name] * len(values))
+            columns[name] = list(pool.map(_hf_image, *args)) if pool is not None else list(map(_hf_image, *args))
     return [{name: values[i] for name, values in columns.items()} for i in range(table.num_rows)]
 
 
@@ -140,6 +178,6 @@ def image_samples(
 
 def raw_batch_samples(raw: RawBatch, mode: ImageDecode = "tensor", pool: Executor | None = None) -> list[dict[str, Any]]:
     if raw.table is not None:
-        return table_samples(raw.table)
+        return table_samples(raw.table, mode, raw.indices, pool)
     assert raw.images is not None
     return image_samples(raw.images, raw.indices, mode, pool)
