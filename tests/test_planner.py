@@ -155,3 +155,44 @@ def test_impossible_options_are_named(kwargs: dict, message: str) -> None:
 def test_rank_outside_world_is_named() -> None:
     with pytest.raises(PlanError, match="rank 4 is outside the world of size 4"):
         EpochPlan(100, 0, 0, 10, 4).rank_batch(4, 0)
+
+
+def _rss_mb(pid: int) -> float:
+    for line in open(f"/proc/{pid}/status"):
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise AssertionError("no VmRSS")
+
+
+def test_a_billion_row_virtual_dataset_streams_from_any_batch_in_constant_server_memory(serve_process) -> None:
+    import grpc
+
+    from croupier.v1 import croupier_pb2 as pb
+    from croupier.v1 import croupier_pb2_grpc
+
+    n, batch, world = 10**9, 64, 4
+    srv = serve_process(["rows=synthetic:1000000000:16"])
+
+    def stream(start: int, end: int) -> list[int]:
+        with grpc.insecure_channel(srv.address) as ch:
+            request = pb.StreamEpochRequest(dataset="rows", batch_size=batch, world_size=world, rank=3, seed=9,
+                                            epoch=2, start_batch=start, end_batch=end)
+            got = []
+            for msg in croupier_pb2_grpc.CroupierStub(ch).StreamEpoch(request, timeout=60):
+                if msg.HasField("chunk"):
+                    got += list(msg.chunk.indices)
+            return got
+
+    plan = EpochPlan(n, 9, 2, batch_size=batch, world_size=world)
+    first = stream(0, 20)
+    before = _rss_mb(srv.proc.pid)
+    last = stream(plan.num_batches - 20, plan.num_batches)
+    after = _rss_mb(srv.proc.pid)
+    # The same rows the pure plan gives, from the start and from 3.9 million batches in.
+    want_first = np.concatenate([rb.indices for rb in plan.rank_batches(3, 0, 20)])
+    want_last = np.concatenate([rb.indices for rb in plan.rank_batches(3, plan.num_batches - 20, plan.num_batches)])
+    assert sorted(first) == sorted(want_first.tolist()) and sorted(last) == sorted(want_last.tolist())
+    assert len(last) == 20 * batch and max(last) < n
+    # An array of 1e9 indices would be 8 GB; jumping to the end of the epoch costs nothing.
+    assert after - before < 16, f"server RSS grew from {before:.0f} to {after:.0f} MB"
+    assert after < 400, f"server RSS {after:.0f} MB"
