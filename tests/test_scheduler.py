@@ -116,6 +116,20 @@ def test_a_stalled_consumer_stalls_only_its_own_reads() -> None:
     asyncio.run(scenario())
 
 
+def _reads_issued_by_a_stalled_consumer(reader: GatedReader, plan: EpochPlan) -> int:
+    """Reads issued while the consumer takes one chunk and then stalls."""
+
+    async def scenario() -> int:
+        limits = FetchLimits(max_buffered_bytes=5_000, chunk_samples=4, max_reads_per_stream=10)
+        dealer = Dealer(reader, plan, StreamRange.of(plan, 0), prefetch=20, limits=limits).__aiter__()
+        await dealer.__anext__()
+        await asyncio.sleep(0.2)
+        await dealer.aclose()
+        return len(reader.issued)
+
+    return asyncio.run(scenario())
+
+
 def test_buffered_bytes_bound_pauses_new_batches() -> None:
     n = 400
     plan = EpochPlan(n, seed=3, epoch=0, batch_size=10)
@@ -131,35 +145,16 @@ def test_buffered_bytes_bound_pauses_new_batches() -> None:
         def item_sizer(self, columns=()):
             return len  # its items are the bytes themselves, not indices
 
-    async def scenario() -> None:
-        reader = BigItems(n)
-        limits = FetchLimits(max_buffered_bytes=5_000, chunk_samples=4, max_reads_per_stream=10)
-        dealer = Dealer(reader, plan, StreamRange.of(plan, 0), prefetch=20, limits=limits).__aiter__()
-        await dealer.__anext__()
-        await asyncio.sleep(0.2)
-        # Prefetch alone would allow 21 batches (210 reads); the byte bound stops reading
-        # once ~5 KB wait unsent: at most that, plus the reads in flight, plus one chunk.
-        assert len(reader.issued) <= 4 + 6 + 10 + 1
-        await dealer.aclose()
-
-    asyncio.run(scenario())
+    # Prefetch alone would allow 21 batches (210 reads); the byte bound stops reading
+    # once ~5 KB wait unsent: at most that, plus the reads in flight, plus one chunk.
+    assert _reads_issued_by_a_stalled_consumer(BigItems(n), plan) <= 4 + 6 + 10 + 1
 
 
 def test_buffered_bytes_bound_counts_the_rows_of_table_datasets() -> None:
     # Table readers' items are bare indices: the bound must count their rows' bytes.
     n = 400
     plan = EpochPlan(n, seed=3, epoch=0, batch_size=10)
-
-    async def scenario() -> None:
-        reader = GatedReader(n, row_bytes=1000)
-        limits = FetchLimits(max_buffered_bytes=5_000, chunk_samples=4, max_reads_per_stream=10)
-        dealer = Dealer(reader, plan, StreamRange.of(plan, 0), prefetch=20, limits=limits).__aiter__()
-        await dealer.__anext__()
-        await asyncio.sleep(0.2)
-        assert len(reader.issued) <= 4 + 6 + 10 + 1
-        await dealer.aclose()
-
-    asyncio.run(scenario())
+    assert _reads_issued_by_a_stalled_consumer(GatedReader(n, row_bytes=1000), plan) <= 4 + 6 + 10 + 1
 
 
 def test_prefetch_is_clamped_to_the_server_maximum() -> None:
