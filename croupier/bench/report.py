@@ -226,7 +226,8 @@ def markdown(report: dict[str, Any], plots: list[str]) -> str:
         c = report["curves"]
         if c.get("reads_in_flight"):
             lines.append(f"Throughput against reads in flight: croupier unordered, 1 rank, text, "
-                         f"{c['in_flight_latency_ms']:g} ms lognormal; `--max-reads-per-stream C`.\n")
+                         f"{c['in_flight_latency_ms']:g} ms lognormal; `--max-reads-per-stream C`, read-ahead of 4C samples "
+                         f"(prefetch 4C/64 batches, at most 256).\n")
         if c.get("streams"):
             lines.append(f"Throughput against concurrent streams: `croupier loadtest` with N workers on N "
                          f"connections, rank i of N, up to 20 batches of 64 per stream (fewer where a rank has fewer), {c['streams_latency_ms']:g} ms "
