@@ -91,6 +91,26 @@ def _prepare_only(args: argparse.Namespace) -> int:
     return 0
 
 
+def _check_reachable(addresses: tuple[str, ...], timeout_s: float = 15.0) -> None:
+    """Fail in seconds, naming the address, when no server answers its health check:
+    otherwise the ranks would wait out their whole timeout retrying."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    failures = []
+    for address in addresses:
+        with grpc.insecure_channel(address) as channel:
+            try:
+                health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=timeout_s)
+            except grpc.RpcError as exc:
+                failures.append(f"{address} ({exc.code().name}: {exc.details()})")
+    if len(failures) == len(addresses):
+        hint = " (is the loopback interface up?)" if any(a.startswith(("127.", "localhost", "[::1]")) for a in addresses) else ""
+        raise RuntimeError(f"no croupier server answers at {', '.join(failures)}{hint}")
+    for failure in failures:
+        _say(f"server {failure} does not answer; its ranks start on another replica")
+
+
 def _interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt  # SIGTERM too stops the server and the ranks before exiting
 
@@ -122,6 +142,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
                 servers = (server.address,)
                 _say(f"croupier serve up on {server.address} (pid {server.proc.pid}) serving "
                      + ", ".join(specs))
+            _check_reachable(servers)
             opts = TrainOptions(
                 servers=servers, train=train, test=test, epochs=args.epochs, batch_size=args.batch_size,
                 seed=args.seed, lr=args.lr, ordered=args.ordered, num_classes=classes, image_size=args.image_size,

@@ -70,6 +70,7 @@ def test_demo_announces_the_backend_its_ranks_pick(monkeypatch, capsys, gpus: in
 
     import torch
 
+    import croupier.demo
     import croupier.demo_procs
     from croupier.cli import main
     from croupier.demo_train import pick_backend
@@ -90,6 +91,7 @@ def test_demo_announces_the_backend_its_ranks_pick(monkeypatch, capsys, gpus: in
     monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
     monkeypatch.setattr(croupier.demo_procs, "RankGroup", Ranks)
     monkeypatch.setattr(signal, "signal", lambda *a: None)
+    monkeypatch.setattr(croupier.demo, "_check_reachable", lambda addresses: None)  # no server either
     assert pick_backend(2) == backend
     assert main(["demo", "--server", "127.0.0.1:1", "--world-size", "2"]) == 0
     assert launched == [2]
@@ -100,6 +102,17 @@ def test_demo_refuses_a_dataset_it_cannot_serve(tmp_path: Path) -> None:
     done = _demo(["--data", str(tmp_path / "missing")], tmp_path / "cache", timeout=120)
     assert done.returncode == 1
     assert "does not exist" in done.stderr
+
+
+def test_demo_names_a_server_that_does_not_answer_instead_of_waiting(tmp_path: Path) -> None:
+    import socket
+
+    with socket.socket() as s:  # a loopback port with nothing listening
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    done = _demo(["--server", f"127.0.0.1:{port}", "--epochs", "1"], tmp_path / "cache", timeout=120)
+    assert done.returncode == 1
+    assert f"no croupier server answers at 127.0.0.1:{port}" in done.stderr
 
 
 def test_digits_are_split_80_20_by_class_and_the_same_in_every_format(tmp_path: Path) -> None:
