@@ -28,13 +28,15 @@ def _key(r: dict[str, Any]) -> tuple[str, str]:
 
 def _cpu_ceiling(r: dict[str, Any], results: list[dict[str, Any]]) -> dict[str, Any] | None:
     """The same system's rate with nothing to wait for: croupier's unordered path with 0 ms
-    injected, else the page-cache case."""
+    injected (the better of its runs: suites measure it at the start and at the end, as
+    other jobs on a shared machine can take CPU from one of them), else the page-cache case."""
     label, ds = r["case"]["system"]["label"], r["case"]["dataset"]
     for storage in ("0 ms injected (no wait)", "page cache"):
-        for other in results:
-            if (other["case"]["dataset"], other["case"]["storage"]["name"], other["case"]["system"]["label"]) == (
-                    ds, storage, label):
-                return other
+        runs = [other for other in results
+                if (other["case"]["dataset"], other["case"]["storage"]["name"], other["case"]["system"]["label"])
+                == (ds, storage, label)]
+        if runs:
+            return max(runs, key=lambda other: other["samples_per_s"])
     return None
 
 
@@ -210,7 +212,8 @@ def markdown(report: dict[str, Any], plots: list[str]) -> str:
         f"decode ceiling: one core's measured decode rate, the better of a measurement at the start and one at the end "
         f"({', '.join(f'{k} {v:,.0f}/s' for k, v in report['decode_rates'].items())}) "
         f"times {m['cores']} cores; CPU ceiling (cases with injected latency): the same system with nothing to wait "
-        "for on this machine (croupier: its unordered path with 0 ms injected; others: their page-cache case); "
+        "for on this machine (croupier: its unordered path with 0 ms injected, the better of a run at the start "
+        "and one at the end; others: their page-cache case); "
         "of ceiling: samples/s over the smallest of the three, which is named. "
         "Peak RSS: VmHWM of the server and of the largest trainer rank; workers: their private (anonymous) "
         "memory at the end, summed.",

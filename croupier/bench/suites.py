@@ -72,7 +72,7 @@ def full() -> Suite:
     return Suite(
         name="full",
         data=DataSpec(),
-        cases=(*_matrix(STORAGE, SYSTEMS, max_batches=400, max_seconds=2.5), *cpu_ceiling),
+        cases=(*cpu_ceiling, *_matrix(STORAGE, SYSTEMS, max_batches=400, max_seconds=2.5), *cpu_ceiling),
         curves=Curves(),
         targets=("full",),
     )
@@ -83,7 +83,8 @@ def first() -> Suite:
     return Suite(
         name="first",
         data=DataSpec(),
-        cases=(*_matrix((latency(5), PAGE_CACHE), systems, max_batches=400, max_seconds=5.0),
+        cases=(Case("text", NO_WAIT, CROUPIER, max_batches=400, max_seconds=5.0),
+               *_matrix((latency(5), PAGE_CACHE), systems, max_batches=400, max_seconds=5.0),
                Case("text", NO_WAIT, CROUPIER, max_batches=400, max_seconds=5.0)),
         shuffle_quality=False,
         targets=("first",),
