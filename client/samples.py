@@ -8,6 +8,7 @@ giving {"image": uint8 CHW tensor | PIL image | bytes, "label": int}.
 
 from __future__ import annotations
 
+import functools
 import io
 import json
 from concurrent.futures import Executor
@@ -53,14 +54,17 @@ def hf_image_columns(schema: pa.Schema) -> list[str]:
     """Columns that Hugging Face `datasets` features declare as `Image` (stored as a
     struct of bytes and path; `load_from_disk` decodes them on access)."""
     meta = (schema.metadata or {}).get(b"huggingface")
-    if not meta:
-        return []
+    return [name for name in _image_features(meta) if name in schema.names] if meta else []
+
+
+@functools.lru_cache(maxsize=16)
+def _image_features(meta: bytes) -> tuple[str, ...]:
+    # Every batch of a stream carries the same metadata: parse it once, not per batch.
     try:
         features = json.loads(meta).get("info", {}).get("features", {}) or {}
     except (ValueError, AttributeError):
-        return []
-    return [name for name, f in features.items()
-            if isinstance(f, dict) and f.get("_type") == "Image" and name in schema.names]
+        return ()
+    return tuple(name for name, f in features.items() if isinstance(f, dict) and f.get("_type") == "Image")
 
 
 def _hf_image(value: dict[str, Any] | None, mode: ImageDecode, index: int, column: str) -> Any:

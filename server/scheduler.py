@@ -35,6 +35,7 @@ from typing import Any, NamedTuple, Protocol
 
 from .planner import BatchRangeError, EpochPlan
 from .readers.base import Payload, Reader
+from .readers.latency import TICK_S, on_tick
 
 
 @dataclass(frozen=True)
@@ -163,12 +164,6 @@ class ReadBudget:
                 self.available += 1
 
 
-#: Deadlines of delayed reads are rounded to the nearest tick, so that reads due within
-#: the same millisecond complete in one loop wake-up (rounding to the nearest tick leaves
-#: the mean delay unchanged).
-TICK_S = 0.001
-
-
 class _TimerWheel:
     """Many delayed callbacks on one loop timer: a heap instead of a timer per sample."""
 
@@ -183,7 +178,7 @@ class _TimerWheel:
         return len(self.heap)
 
     def call_later(self, delay: float, fn: Any, *args: Any) -> None:
-        when = round((self.loop.time() + delay) / TICK_S) * TICK_S
+        when = on_tick(self.loop.time() + delay)  # reads due together share a wake-up
         self.seq += 1
         heapq.heappush(self.heap, (when, self.seq, fn, args))
         if when < self.armed_for:

@@ -157,16 +157,10 @@ def test_rank_outside_world_is_named() -> None:
         EpochPlan(100, 0, 0, 10, 4).rank_batch(4, 0)
 
 
-def _rss_mb(pid: int) -> float:
-    for line in open(f"/proc/{pid}/status"):
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    raise AssertionError("no VmRSS")
-
-
 def test_a_billion_row_virtual_dataset_streams_from_any_batch_in_constant_server_memory(serve_process) -> None:
     import grpc
 
+    from croupier.bench.procstat import rss_mb
     from croupier.v1 import croupier_pb2 as pb
     from croupier.v1 import croupier_pb2_grpc
 
@@ -185,9 +179,9 @@ def test_a_billion_row_virtual_dataset_streams_from_any_batch_in_constant_server
 
     plan = EpochPlan(n, 9, 2, batch_size=batch, world_size=world)
     first = stream(0, 20)
-    before = _rss_mb(srv.proc.pid)
+    before = rss_mb(srv.proc.pid)
     last = stream(plan.num_batches - 20, plan.num_batches)
-    after = _rss_mb(srv.proc.pid)
+    after = rss_mb(srv.proc.pid)
     # The same rows the pure plan gives, from the start and from 3.9 million batches in.
     want_first = np.concatenate([rb.indices for rb in plan.rank_batches(3, 0, 20)])
     want_last = np.concatenate([rb.indices for rb in plan.rank_batches(3, plan.num_batches - 20, plan.num_batches)])

@@ -30,6 +30,11 @@ def _status_kb(pid: int | str, key: str) -> int:
     return 0
 
 
+def rss_mb(pid: int | str = "self") -> float:
+    """Resident set size now (VmRSS)."""
+    return _status_kb(pid, "VmRSS") / 1024
+
+
 def peak_rss_mb(pid: int | str = "self") -> float:
     """High-water mark of the resident set (VmHWM)."""
     return _status_kb(pid, "VmHWM") / 1024

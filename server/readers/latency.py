@@ -26,12 +26,22 @@ from .base import DatasetInfo, Payload, Reader
 DISTRIBUTIONS = ("fixed", "uniform", "lognormal")
 
 
+#: Injected delays end on the nearest tick of the loop's clock, so that reads due within
+#: the same millisecond complete in one loop wake-up (rounding to the nearest tick leaves
+#: the mean delay unchanged).
+TICK_S = 0.001
+
+
+def on_tick(when: float) -> float:
+    """`when` (loop time) rounded to the nearest tick."""
+    return round(when / TICK_S) * TICK_S
+
+
 async def wait(delay: float) -> None:
-    """Sleep `delay` seconds, waking at the nearest millisecond of the loop's clock: reads
-    due within the same millisecond then share one loop wake-up (the scheduler's timer
-    wheel does the same), and the mean delay is unchanged."""
+    """Sleep `delay` seconds, waking on the nearest tick (the scheduler's timer wheel, for
+    reads without I/O, does the same)."""
     now = asyncio.get_running_loop().time()
-    await asyncio.sleep(max(round((now + delay) * 1000) / 1000 - now, 0))
+    await asyncio.sleep(max(on_tick(now + delay) - now, 0))
 
 
 class LatencySampler:
