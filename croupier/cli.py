@@ -1,4 +1,4 @@
-"""The `croupier` command: serve, demo, bench, loadtest."""
+"""The `croupier` command: serve, rewrite, demo, bench, loadtest."""
 
 from __future__ import annotations
 
@@ -56,7 +56,10 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
                    help=f"payload KiB per message before it is flushed (default {lim.chunk_bytes >> 10}, under "
                    "grpc's default 4 MiB receive limit); a message never exceeds --max-message-mb")
     g.add_argument("--flush-delay-ms", type=float, help=f"longest a completed sample waits for its chunk (default {lim.flush_delay_s * 1000:g})")
-    g.add_argument("--workers", type=int, help=f"threads for blocking work: pyarrow, Pillow (default {d.workers})")
+    g.add_argument("--workers", type=int, help=f"threads for CPU work: encoding chunks, Pillow (default {d.workers})")
+    g.add_argument("--io-threads", type=int,
+                   help=f"threads that wait on file-system reads, one pread each: file reads in flight at most "
+                   f"(default {d.io_threads}, started on demand)")
     g = p.add_argument_group("injected storage latency (benchmarks)")
     g.add_argument("--latency-ms", type=float, help="median latency added to every read (default none)")
     g.add_argument("--latency-distribution", choices=["lognormal", "uniform", "fixed"], help="(default lognormal)")
@@ -76,7 +79,7 @@ def build_server_config(args: argparse.Namespace):
 
     config = load_config_file(args.config) if args.config else ServerConfig()
     changes: dict = {}
-    for name in ("host", "port", "metrics_port", "metrics_host", "cache_dir", "max_reads", "workers",
+    for name in ("host", "port", "metrics_port", "metrics_host", "cache_dir", "max_reads", "workers", "io_threads",
                  "grace_s", "log_format"):
         value = getattr(args, name)
         if value is not None:
@@ -133,6 +136,51 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+REWRITE_HELP = """\
+Rewrite a dataset into the layout croupier reads fastest: a folder DST of uncompressed
+Arrow IPC file-format parts (part-00000.arrow, ...) in small record batches, the same
+rows in the same order, schema metadata (Hugging Face features) kept. A random row then
+costs its own bytes plus its batch's offsets, where Parquet decodes a whole page and
+save_to_disk folders hold 1,000-row stream batches.
+
+SRC is any dataset `croupier serve` reads (arrow, hf, parquet, imagefolder, webdataset);
+images become rows {image: HF Image, label: HF ClassLabel}. DST is written as
+DST.tmp-<pid> and renamed at the end; a non-empty DST needs --overwrite.
+"""
+
+
+def _rewrite_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("rewrite", help="rewrite a dataset as small-batch Arrow IPC files (fastest random reads)",
+                       description=REWRITE_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("src", metavar="SRC", help="the dataset to read (format detected, or --format)")
+    p.add_argument("dst", metavar="DST", help="the folder to write (must not exist, be empty, or --overwrite)")
+    p.add_argument("--rows-per-batch", type=int, default=64, help="rows per record batch (default 64)")
+    p.add_argument("--format", help="SRC's format: arrow, hf, parquet, imagefolder, webdataset (default: detected)")
+    p.add_argument("--overwrite", action="store_true", help="replace a non-empty DST (only once the rewrite succeeded)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar (none either when stderr is not a terminal)")
+    p.add_argument("--max-file-mb", type=int, default=2048,
+                   help="start a new part once one passes this many MiB (default 2048)")
+    p.set_defaults(func=cmd_rewrite)
+
+
+def cmd_rewrite(args: argparse.Namespace) -> int:
+    from croupier.rewrite import rewrite
+    from croupier.server.readers.base import DatasetError
+
+    try:
+        result = rewrite(args.src, args.dst, rows_per_batch=args.rows_per_batch, format=args.format,
+                         overwrite=args.overwrite, progress=not args.no_progress,
+                         max_file_bytes=args.max_file_mb << 20)
+    except (DatasetError, OSError, ValueError) as exc:
+        print(f"croupier rewrite: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"croupier rewrite: interrupted; {args.dst} left as it was", file=sys.stderr)
+        return 130
+    print(result.summary())
+    return 0
+
+
 # Other subcommands register here: each module exposes add_parser(sub) -> None.
 _EXTRA_COMMANDS: list[tuple[str, str]] = [
     ("croupier.demo", "add_parser"),
@@ -147,6 +195,7 @@ def make_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="croupier", description="Deal a globally shuffled dataset to trainers.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     _serve_parser(sub)
+    _rewrite_parser(sub)
     for module, attr in _EXTRA_COMMANDS:
         # A broken optional command must not take `croupier serve` down with it;
         # each command's own tests catch the breakage.

@@ -22,6 +22,7 @@ from .catalog import Catalog
 from .config import ServerConfig
 from .metrics import ServerMetrics
 from .service import CroupierService
+from .storage import LocalStore
 
 log = logging.getLogger("croupier.server")
 
@@ -56,9 +57,9 @@ class RunningServer:
         self.catalog.close()
 
 
-def open_catalog(config: ServerConfig, executor: concurrent.futures.Executor) -> Catalog:
+def open_catalog(config: ServerConfig, executor: concurrent.futures.Executor, store: LocalStore | None = None) -> Catalog:
     catalog = Catalog(
-        data_roots=config.data_roots, cache_dir=config.cache_dir, latency=config.latency, executor=executor
+        data_roots=config.data_roots, cache_dir=config.cache_dir, latency=config.latency, executor=executor, store=store
     )
     for spec in config.datasets:
         reader = catalog.add(spec)
@@ -68,11 +69,14 @@ def open_catalog(config: ServerConfig, executor: concurrent.futures.Executor) ->
 
 async def start(config: ServerConfig) -> RunningServer:
     """Open the datasets and start serving; returns once the port is bound."""
-    executor = concurrent.futures.ThreadPoolExecutor(config.workers, thread_name_prefix="croupier-io")
+    # CPU work (encode, decode, opening datasets) and reads never share threads: reads
+    # wait on storage in the store's own pool, sized by io_threads, not by the cores.
+    executor = concurrent.futures.ThreadPoolExecutor(config.workers, thread_name_prefix="croupier-cpu")
+    store = LocalStore(io_threads=config.io_threads)
     loop = asyncio.get_running_loop()
     # Anything that runs on the loop's default executor shares the same bounded pool.
     loop.set_default_executor(executor)
-    catalog = await loop.run_in_executor(executor, open_catalog, config, executor)
+    catalog = await loop.run_in_executor(executor, open_catalog, config, executor, store)
     metrics = ServerMetrics()
     service = CroupierService(
         catalog,

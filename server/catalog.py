@@ -10,6 +10,12 @@ from collections.abc import Sequence
 from .config import LatencySpec
 from .readers.base import DatasetError, DatasetInfo, OutsideRootsError, Reader
 from .readers.synthetic import SyntheticReader
+from .storage import Store
+
+
+def is_url(path: str) -> bool:
+    """An object-store location (s3://...), not a file-system path."""
+    return "://" in path and not path.startswith("file://")
 
 
 class UnknownDatasetError(LookupError):
@@ -42,7 +48,10 @@ class Catalog:
         cache_dir: str | None = None,
         latency: LatencySpec | None = None,
         executor: concurrent.futures.Executor | None = None,
+        store: Store | None = None,
     ):
+        #: The file-system store every local dataset reads through (the server's I/O pool).
+        self.store = store
         self.data_roots = tuple(str(os.path.realpath(r)) for r in data_roots)
         self.cache_dir = cache_dir
         self.latency = latency
@@ -71,9 +80,9 @@ class Catalog:
     def _open_path(self, path: str, name: str | None) -> Reader:
         from .readers import open_dataset, resolve_under_roots
 
-        if self.data_roots:
+        if self.data_roots and not is_url(path):
             path = str(resolve_under_roots(path, self.data_roots))
-        return self._wrap(open_dataset(path, name=name, cache_dir=self.cache_dir))
+        return self._wrap(open_dataset(path, name=name, cache_dir=self.cache_dir, store=self.store))
 
     def add(self, spec: str) -> Reader:
         """Open a dataset named on the command line or in the config file (blocking)."""
@@ -131,6 +140,8 @@ class Catalog:
     def close(self) -> None:
         for reader in [*self._by_name.values(), *self._by_path.values()]:
             reader.close()
+        if self.store is not None:
+            self.store.close()
 
 
 __all__ = ["Catalog", "UnknownDatasetError", "OutsideRootsError", "parse_dataset_spec"]

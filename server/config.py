@@ -39,8 +39,11 @@ class ServerConfig:
     metrics_host: str = "127.0.0.1"
     #: Sample reads in flight over all streams.
     max_reads: int = 4096
-    #: Threads for blocking work (pyarrow, Pillow, file opens).
+    #: Threads for CPU work (encoding chunks, Pillow, opening datasets); never wait on reads.
     workers: int = 4
+    #: Threads that wait on file-system reads (one pread each): at most this many file
+    #: reads are in flight, whatever --max-reads says. Started on demand.
+    io_threads: int = 1024
     limits: FetchLimits = field(default_factory=FetchLimits)
     latency: LatencySpec | None = None
     #: Seconds SIGTERM waits for open streams to finish before cancelling them.
@@ -53,6 +56,8 @@ class ServerConfig:
             raise ValueError(f"max_reads must be at least 1, got {self.max_reads}")
         if self.workers < 1:
             raise ValueError(f"workers must be at least 1, got {self.workers}")
+        if self.io_threads < 1:
+            raise ValueError(f"io_threads must be at least 1, got {self.io_threads}")
 
 
 _LIMIT_FIELDS = {f.name for f in dataclasses.fields(FetchLimits)}

@@ -311,7 +311,7 @@ class Dealer:
         t0 = time.perf_counter()
         ok = False
         try:
-            item = await self.reader.read(index)
+            item = await self.reader.read(index, self.columns)
             ok = True
             return item
         finally:
@@ -331,7 +331,7 @@ class Dealer:
             last = len(rb.indices) - 1
             for pos, (index, pad) in enumerate(zip(rb.indices.tolist(), rb.padding.tolist())):
                 if not io:
-                    item = await self.reader.read(index)
+                    item = await self.reader.read(index, self.columns)
                 elif self.server_reads is not None:
                     await self.server_reads.take()
                     try:
@@ -359,6 +359,7 @@ class Dealer:
         reader = self.reader
         server_reads = self.server_reads
         sizer = self._nbytes
+        columns = self.columns
         # Completed reads, in completion order: (ref, item, nbytes, error).
         ready: collections.deque[tuple[SampleRef, Any, int, BaseException | None]] = collections.deque()
         got_ready = asyncio.Event()
@@ -391,7 +392,7 @@ class Dealer:
 
         async def read_one(ref: SampleRef, t0: float) -> None:
             try:
-                item, err = await reader.read(ref.index), None
+                item, err = await reader.read(ref.index, columns), None
             except Exception as exc:  # handed to the sender, which raises it
                 item, err = None, exc
             complete(ref, item, err, t0)

@@ -116,16 +116,20 @@ def test_rows_spread_over_many_record_batches_come_back_in_the_requested_order(t
     assert got.to_pylist() == [{"text": expected_row(i)["text"], "id": int(i)} for i in indices]
 
 
-def test_arrow_reader_memory_maps_and_does_no_io_in_read(tmp_path: Path) -> None:
+def test_arrow_reader_opens_from_metadata_and_reads_rows_by_range(tmp_path: Path) -> None:
+    from croupier.server.storage import LocalStore
+
     path = tmp_path / "big.arrow"
     table = pa.table({"x": np.arange(500_000, dtype=np.int64)})
     with pa.ipc.new_file(str(path), table.schema) as w:
         w.write_table(table)
     del table
+    store = LocalStore(io_threads=8)
     before = pa.total_allocated_bytes()
-    reader = open_dataset(path)
-    assert pa.total_allocated_bytes() - before < 100_000, "opening should map the file, not copy 4 MB"
-    assert reader.read_does_io is False
+    reader = open_dataset(path, store=store)
+    assert pa.total_allocated_bytes() - before < 100_000, "opening reads metadata, not the 4 MB of values"
+    assert store.stats.bytes < 10_000
+    assert reader.read_does_io is True
     assert _rows(_read_all(reader, [499_999, 0])).column("x").to_pylist() == [499_999, 0]
 
 
@@ -268,7 +272,9 @@ def scanned(monkeypatch) -> list[str]:
     """The names of the tar shards scanned (not found in an index cache) during the test."""
     names: list[str] = []
     real_scan = webdataset_module.scan_shard
-    monkeypatch.setattr(webdataset_module, "scan_shard", lambda shard: names.append(shard.name) or real_scan(shard))
+    monkeypatch.setattr(
+        webdataset_module, "scan_shard", lambda shard, store=None: names.append(Path(shard).name) or real_scan(shard, store)
+    )
     return names
 
 
@@ -476,7 +482,7 @@ def test_latency_override_makes_that_read_complete_last(tmp_path: Path) -> None:
         done: list[int] = []
 
         async def one(i: int) -> None:
-            done.append(await slow.read(i))
+            done.append((await slow.read(i)).index)
 
         await asyncio.gather(*(one(i) for i in range(40)))
         return done

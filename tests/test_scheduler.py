@@ -25,7 +25,7 @@ class GatedReader(SyntheticReader):
         self.in_flight = 0
         self.max_in_flight = 0
 
-    async def read(self, index: int) -> int:
+    async def read(self, index: int, columns=()) -> int:
         self.issued.append(index)
         self.in_flight += 1
         self.max_in_flight = max(self.max_in_flight, self.in_flight)
@@ -135,7 +135,7 @@ def test_buffered_bytes_bound_pauses_new_batches() -> None:
     plan = EpochPlan(n, seed=3, epoch=0, batch_size=10)
 
     class BigItems(GatedReader):
-        async def read(self, index: int) -> bytes:  # type: ignore[override]
+        async def read(self, index: int, columns=()) -> bytes:  # type: ignore[override]
             await super().read(index)
             return b"x" * 1000
 

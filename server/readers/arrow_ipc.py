@@ -1,107 +1,380 @@
-"""Arrow IPC files (file or stream format) and folders of them, memory-mapped.
+"""Arrow IPC files (file or stream format) and folders of them, read row by row by range.
 
-Rows are never copied until a chunk is encoded: `read` does no I/O (it returns the
-index) and `encode` takes the chunk's rows batch-wise (tables.RowTaker), so the pages
-fault in there, in the executor, off the event loop. The files of a folder, in sorted order,
-form one table: global index i is row i of their concatenation.
+Opening reads metadata only (ipc_layout): the schema, and where each buffer of each
+record batch lies. Reading row i then costs the row's own bytes, one range read per
+column whose values are not cached (ipc_rows), plus, once per record batch, its small
+structural buffers (offsets, validity, short fixed-width values), kept in a bounded
+page cache. No record batch is read, mapped or validated as a whole; what was read is
+checked (offsets in bounds and monotone, lengths, UTF-8) and a corrupt row raises
+SampleError naming the file, the row and the column.
+
+Files with compressed buffers, dictionary-free layouts this reader cannot walk (unions,
+view types, run-end encoding) are served by whole record batches instead (decoded,
+fully validated, and kept in a bounded LRU), which costs a batch per row: `croupier
+rewrite` turns them into the fast layout. Dictionary-encoded columns are refused.
+
+The files of a folder, in sorted order, form one table: global index i is row i of
+their concatenation.
 """
 
 from __future__ import annotations
 
+import asyncio
+import bisect
+import collections
 from collections.abc import Sequence
-from pathlib import Path
+from dataclasses import dataclass
 
-import numpy as np
 import pyarrow as pa
 
-from .base import DatasetError, DatasetInfo, IndexReader, TablePayload, data_files
-from .tables import RowTaker, checked_columns, select_columns, table_info, to_ipc_payload
+from ..storage import Store
+from .base import DatasetError, DatasetInfo, Reader, SampleError, TablePayload
+from .ipc_layout import IPCLayout, read_layouts
+from .ipc_rows import DEFAULT_PAGE_CACHE_BYTES, PAGE_BYTES, Codec, CorruptRow, Node, PageCache, Unsupported, Walk
+from .ipc_rows import buffer_count, make_codecs, node_count
+from .tables import checked_columns, select_columns, table_info, to_ipc_payload
 
-__all__ = ["ARROW_SUFFIXES", "ArrowIPCReader", "TableReader", "open_ipc_table", "select_columns", "to_ipc_payload"]
+__all__ = ["ARROW_SUFFIXES", "ArrowIPCReader", "TableReader", "dataset_files", "select_columns", "to_ipc_payload"]
 
 #: ".arrows" is the registered suffix of the stream format.
 ARROW_SUFFIXES = (".arrow", ".arrows", ".feather", ".ipc")
-_FILE_MAGIC = b"ARROW1"
+#: Decoded record batches kept by the whole-batch fallback.
+WHOLE_BATCH_CACHE_BYTES = 256 << 20
+#: Rounds of structural page loads one row may need (one per level of list nesting).
+_MAX_ROUNDS = 16
 
 
-def open_ipc_table(path: Path) -> pa.Table:
-    """Memory-map one IPC file, file format or stream format; errors name the file."""
-    try:
-        source = pa.memory_map(str(path), "r")
-    except (OSError, pa.ArrowInvalid) as exc:
-        raise DatasetError(f"cannot open Arrow IPC file {path}: {exc}") from exc
-    file_format = source.read(len(_FILE_MAGIC)) == _FILE_MAGIC
-    source.seek(0)
-    kind = "file" if file_format else "stream"
-    try:
-        reader = pa.ipc.open_file(source) if file_format else pa.ipc.open_stream(source)
-        table = reader.read_all()
-        # Structure only: O(columns x chunks), no scan of the data. Values (string
-        # offsets) are checked per record batch on first use, by RowTaker.take.
-        table.validate()
-    except (pa.ArrowInvalid, OSError, ValueError) as exc:
-        raise DatasetError(f"{path}: not a readable Arrow IPC {kind} (corrupt or truncated?): {exc}") from exc
-    return table
+def dataset_files(store: Store, path: str, suffixes: Sequence[str], what: str) -> list[str]:
+    """The files of a dataset through `store`: `path` itself, or the files of folder
+    `path` whose suffix is one of `suffixes` (any case), sorted by name."""
+    if store.is_dir(path):
+        _, entries = store.list_dir(path)
+        files = [e.path for e in entries if e.path.lower().endswith(tuple(suffixes))]
+        if not files:
+            raise DatasetError(f"{what} {store.url(path)}: the folder holds no {'/'.join(suffixes)} files")
+        return files
+    if not store.is_file(path):
+        raise DatasetError(f"{what} {store.url(path)} does not exist")
+    return [path]
 
 
-class TableReader(IndexReader):
-    """Random access into one Arrow table made of one or more memory-mapped IPC files.
+@dataclass
+class RowItem:
+    """What `read` hands to `encode`: one row's nodes, one per column read (`names`)."""
+
+    index: int
+    nodes: list[Node]
+    nbytes: int
+    names: tuple[str, ...]
+
+
+class TableReader(Reader):
+    """Random access by range reads into one table made of one or more Arrow IPC files.
 
     `columns`, when given, keeps only those columns (in the files' order).
+    `page_cache_bytes` bounds the cache of structural buffers (offsets, validity bits,
+    small values): about 4 bytes per row of each string or list column.
     """
 
-    def __init__(self, name: str, path: str, files: Sequence[Path], columns: Sequence[str] | None = None):
-        super().__init__(name, path)
+    format = "arrow"
+
+    def __init__(
+        self,
+        name: str,
+        path: str,
+        files: Sequence[str],
+        columns: Sequence[str] | None = None,
+        store: Store | None = None,
+        page_cache_bytes: int = DEFAULT_PAGE_CACHE_BYTES,
+    ):
+        super().__init__(name, path, store=store)
         if not files:
             raise DatasetError(f"{self.format} dataset {path}: no Arrow files found")
-        tables = [open_ipc_table(f) for f in files]
-        first = tables[0].schema
-        for f, t in zip(files, tables):
-            if not t.schema.equals(first, check_metadata=False):
-                raise DatasetError(
-                    f"{self.format} dataset {path}: {f} has schema {t.schema.remove_metadata()}, "
-                    f"unlike {files[0]}: {first.remove_metadata()}"
-                )
         self.files = list(files)
-        table = pa.concat_tables(tables) if len(tables) > 1 else tables[0]
+        self.layouts: list[IPCLayout] = read_layouts(self.store, self.files)
+        first = self.layouts[0].schema
+        for layout in self.layouts[1:]:
+            if not layout.schema.equals(first, check_metadata=False):
+                raise DatasetError(
+                    f"{self.format} dataset {path}: {self.store.url(layout.path)} has schema "
+                    f"{layout.schema.remove_metadata()}, unlike {self.store.url(self.layouts[0].path)}: {first.remove_metadata()}"
+                )
+        self.file_schema = first
+        names = first.names
         if columns:
-            checked_columns(table.column_names, columns, f"{self.format} dataset {path}")
-            table = table.select([c for c in table.column_names if c in columns])
-        #: The whole dataset as one zero-copy table over the mapped files.
-        self.table = table
-        self._rows = RowTaker(self.table, [(str(f), t.num_rows) for f, t in zip(files, tables)])
-        # Bytes per row of each column, from buffer sizes only: reading offsets could
-        # trust a corrupt file, and scanning the data would fault it all in at start.
-        rows = max(table.num_rows, 1)
-        self._row_bytes = {c: -(-table.column(c).get_total_buffer_size() // rows) for c in table.column_names}
+            checked_columns(names, columns, f"{self.format} dataset {path}")
+            names = [c for c in names if c in columns]
+        self.schema = pa.schema([first.field(n) for n in names], first.metadata)
+        # Global row -> (file, batch): the first row of every non-empty batch, in order.
+        self._starts: list[int] = []
+        self._where: list[tuple[int, int]] = []
+        self._file_starts: list[int] = []
+        total = 0
+        for f, layout in enumerate(self.layouts):
+            self._file_starts.append(total)
+            for b, batch in enumerate(layout.batches):
+                if batch.rows:
+                    self._starts.append(total)
+                    self._where.append((f, b))
+                    total += batch.rows
+        self.num_rows = total
+        self.pages = PageCache(page_cache_bytes)
+        self._loading: dict[tuple[int, int, int, int], asyncio.Future[None]] = {}
+        self._column_index = {n: i for i, n in enumerate(first.names)}
+        self._selections: dict[tuple[str, ...], tuple[tuple[str, ...], list[Codec]]] = {}
+        self.whole_batches_reason = self._whole_batches_reason()
+        self._codecs: list[Codec] = [] if self.whole_batches_reason else make_codecs(first)
+        self._whole: collections.OrderedDict[int, pa.RecordBatch] = collections.OrderedDict()
+        self._whole_bytes = 0
+        self._decoding: dict[int, asyncio.Future[pa.RecordBatch]] = {}
+        self._row_bytes = self._estimate_row_bytes()
+
+    # ---- opening --------------------------------------------------------------------
+    def _whole_batches_reason(self) -> str:
+        """Why rows cannot be read by range here ('' when they can)."""
+        for layout in self.layouts:
+            if layout.has_dictionaries or any(pa.types.is_dictionary(f.type) for f in layout.schema):
+                raise DatasetError(
+                    f"{self.format} dataset {self.path}: {self.store.url(layout.path)} has dictionary-encoded "
+                    "columns, which croupier does not serve; cast them to their value type (e.g. "
+                    "table.cast(...) or dictionary_decode) and write the file again"
+                )
+        try:
+            codecs = make_codecs(self.file_schema)
+        except Unsupported as exc:
+            return str(exc)
+        nbuf, nnode = buffer_count(codecs), node_count(codecs)
+        for layout in self.layouts:
+            for b, batch in enumerate(layout.batches):
+                if batch.compressed:
+                    return f"{self.store.url(layout.path)} has compressed buffers"
+                if len(batch.buffers) != nbuf or len(batch.nodes) != nnode:
+                    raise DatasetError(
+                        f"{self.store.url(layout.path)}: record batch {b} has {len(batch.nodes)} fields and "
+                        f"{len(batch.buffers)} buffers, its schema needs {nnode} and {nbuf} (corrupt)"
+                    )
+                if codecs and (batch.nodes[[c.node for c in codecs], 0] != batch.rows).any():
+                    raise DatasetError(
+                        f"{self.store.url(layout.path)}: record batch {b} has columns of other lengths "
+                        f"than its {batch.rows} rows (corrupt)"
+                    )
+        return ""
+
+    def _estimate_row_bytes(self) -> dict[str, int]:
+        """Bytes per row of each column, from buffer lengths in the metadata."""
+        rows = max(self.num_rows, 1)
+        if not self._codecs:
+            total = sum(b.body_length for layout in self.layouts for b in layout.batches)
+            return {n: -(-total // rows // max(len(self.schema), 1)) for n in self.schema.names}
+        out = {}
+        for c in self._codecs:
+            nbytes = sum(
+                int(batch.buffers[c.buffer : c.end_buffer(), 1].sum()) for layout in self.layouts for batch in layout.batches
+            )
+            out[c.field.name] = -(-nbytes // rows)
+        return out
 
     def __len__(self) -> int:
-        return self.table.num_rows
+        return self.num_rows
 
     def info(self) -> DatasetInfo:
-        return table_info(self, self.table.schema)
+        return table_info(self, self.schema)
 
     def row_nbytes(self, columns: Sequence[str] = ()) -> int:
-        return sum(self._row_bytes.get(c, 0) for c in (columns or self._row_bytes))
+        return sum(self._row_bytes.get(c, 0) for c in (columns or self.schema.names))
 
-    def encode(self, items: Sequence[int], columns: Sequence[str] = (), decode_images: bool = False) -> TablePayload:
+    def _codecs_of(self, columns: Sequence[str]) -> tuple[tuple[str, ...], list[Codec]]:
+        key = tuple(columns)
+        cached = self._selections.get(key)
+        if cached is None:
+            names = tuple(checked_columns(self.schema.names, columns, f"{self.format} dataset {self.name!r} ({self.path})"))
+            cached = self._selections[key] = (names, [self._codecs[self._column_index[n]] for n in names])
+        return cached
+
+    def _locate(self, index: int) -> tuple[int, int, int]:
+        """(file, batch, row in batch) of global row `index`."""
+        k = bisect.bisect_right(self._starts, index) - 1
+        f, b = self._where[k]
+        return f, b, index - self._starts[k]
+
+    def _row_name(self, index: int, f: int, b: int, r: int) -> str:
+        in_file = index - self._file_starts[f]
+        return f"{self.store.url(self.files[f])}: row {in_file} of that file (record batch {b}, row {r}; dataset row {index})"
+
+    # ---- reading by range -------------------------------------------------------------
+    async def read(self, index: int, columns: Sequence[str] = ()) -> RowItem | pa.RecordBatch:
+        self.check_index(index)
+        if not self._codecs:
+            return await self._read_whole(index)
+        f, b, r = self._locate(index)
+        layout = self.layouts[f].batches[b]
+        names, codecs = self._codecs_of(columns)
+        for _ in range(_MAX_ROUNDS):
+            w = Walk(f, b, layout, self.pages, set(), [])
+            try:
+                nodes = [c.walk(w, r, r + 1) for c in codecs]
+            except CorruptRow as exc:
+                raise SampleError(f"{self._row_name(index, f, b, r)}, column {exc.column!r}: {exc}", index, self.path) from None
+            if not w.missing:
+                break
+            await self._load_pages(f, b, w.missing)
+        else:  # pragma: no cover - nesting deeper than _MAX_ROUNDS levels
+            raise SampleError(f"{self._row_name(index, f, b, r)}: nested deeper than {_MAX_ROUNDS} levels", index, self.path)
+        nbytes = 16 * len(codecs)
+        if w.fetch:
+            try:
+                parts = await self.store.read_ranges(self.files[f], [(o, s) for o, s, _ in w.fetch])
+            except OSError as exc:
+                raise SampleError(f"{self._row_name(index, f, b, r)}: cannot read: {exc}", index, self.path) from exc
+            for (o, s, node), part in zip(w.fetch, parts):
+                if len(part) != s:
+                    raise SampleError(
+                        f"{self._row_name(index, f, b, r)}: file is truncated ({len(part)} of {s} bytes at byte {o})",
+                        index,
+                        self.path,
+                    )
+                node.data = part
+                nbytes += s
+        return RowItem(index, nodes, nbytes, names)  # type: ignore[arg-type]
+
+    async def _load_pages(self, f: int, b: int, missing: set[tuple[int, int]]) -> None:
+        """Read the missing structural pages of batch `b` of file `f`, concurrently; reads
+        already under way for another row are waited for, not repeated."""
+        batch = self.layouts[f].batches[b]
+        keys = [(f, b, buf, p) for buf, p in sorted(missing)]
+        mine = [k for k in keys if k not in self._loading]
+        theirs = {self._loading[k] for k in keys if k in self._loading}
+        if mine:
+            done = asyncio.get_running_loop().create_future()
+            for k in mine:
+                self._loading[k] = done
+            try:
+                ranges = []
+                for _, _, buf, p in mine:
+                    lo = p * PAGE_BYTES
+                    ranges.append((batch.body + int(batch.buffers[buf, 0]) + lo, min(PAGE_BYTES, int(batch.buffers[buf, 1]) - lo)))
+                try:
+                    parts = await self.store.read_ranges(self.files[f], ranges)
+                except OSError as exc:
+                    raise SampleError(f"{self.store.url(self.files[f])}: cannot read record batch {b}'s offsets: {exc}") from exc
+                for k, (o, s), part in zip(mine, ranges, parts):
+                    if len(part) != s:
+                        raise SampleError(
+                            f"{self.store.url(self.files[f])}: file is truncated ({len(part)} of {s} bytes at byte {o})"
+                        )
+                    self.pages.put(k, part)
+            finally:
+                for k in mine:
+                    self._loading.pop(k, None)
+                done.set_result(None)  # waiters walk again: a failed load is retried by them
+        if theirs:
+            await asyncio.wait(theirs)
+
+    def encode(self, items: Sequence[RowItem | pa.RecordBatch], columns: Sequence[str] = (), decode_images: bool = False) -> TablePayload:
         what = f"{self.format} dataset {self.name!r} ({self.path})"
-        columns = checked_columns(self.table.column_names, columns, what) if columns else ()
+        names = checked_columns(self.schema.names, columns, what)
+        schema = pa.schema([self.schema.field(n) for n in names], self.schema.metadata)
+        if not items:
+            return to_ipc_payload(pa.RecordBatch.from_pylist([], schema=schema))
+        if not self._codecs:
+            rows = pa.concat_batches(items)  # type: ignore[arg-type]
+            return to_ipc_payload(rows.select(names).replace_schema_metadata(schema.metadata))
+        arrays = []
+        _, codecs = self._codecs_of(columns)
+        # Items read with other columns (all of them, say) hold these among theirs.
+        where: dict[tuple[str, ...], list[int]] = {}
+        for it in items:
+            if it.names not in where:  # type: ignore[union-attr]
+                missing = [n for n in names if n not in it.names]  # type: ignore[union-attr]
+                if missing:
+                    raise ValueError(f"a row was read without column {missing[0]!r}: read and encode the same columns")
+                where[it.names] = [it.names.index(n) for n in names]  # type: ignore[union-attr]
+        for k, codec in enumerate(codecs):
+            nodes = [it.nodes[where[it.names][k]] for it in items]  # type: ignore[union-attr]
+            try:
+                array = codec.build(nodes)
+                array.validate(full=True)
+            except (CorruptRow, pa.ArrowInvalid, ValueError) as exc:
+                raise self._bad_value(items, codec, exc) from None
+            arrays.append(array)
+        return to_ipc_payload(pa.RecordBatch.from_arrays(arrays, schema=schema))
+
+    def _bad_value(self, items: Sequence, codec: Codec, exc: Exception) -> SampleError:
+        """The first row of a chunk whose column of `codec` is invalid (e.g. bad UTF-8), named."""
+        for it in items:
+            try:
+                codec.build([it.nodes[it.names.index(codec.path)]]).validate(full=True)
+            except (CorruptRow, pa.ArrowInvalid, ValueError) as row_exc:
+                f, b, r = self._locate(it.index)
+                return SampleError(
+                    f"{self._row_name(it.index, f, b, r)}, column {codec.path!r}, is corrupt: {row_exc}", it.index, self.path
+                )
+        return SampleError(f"{self.format} dataset {self.path}, column {codec.path!r}: {exc}")
+
+    # ---- the whole-batch fallback -------------------------------------------------------
+    async def _read_whole(self, index: int) -> pa.RecordBatch:
+        f, b, r = self._locate(index)
+        key = bisect.bisect_right(self._starts, index) - 1
+        batch = self._whole.get(key)
+        if batch is None:
+            fut = self._decoding.get(key)
+            if fut is None:
+                fut = self._decoding[key] = asyncio.ensure_future(self._decode_whole(f, b, key))
+                fut.add_done_callback(lambda _f, key=key: self._decoding.pop(key, None))
+            batch = await asyncio.shield(fut)
+        else:
+            self._whole.move_to_end(key)
+        return batch.slice(r, 1)
+
+    async def _decode_whole(self, f: int, b: int, key: int) -> pa.RecordBatch:
+        layout = self.layouts[f].batches[b]
+        url = self.store.url(self.files[f])
         try:
-            rows = self._rows.take(np.asarray(items, dtype=np.int64), columns)
-        except DatasetError as exc:  # a corrupt record batch; the message names its file
-            raise DatasetError(f"{what}: {exc}") from exc
-        except (pa.ArrowInvalid, pa.ArrowIndexError, OSError) as exc:
-            raise DatasetError(f"{what}: cannot take rows {list(items)[:8]}: {exc}") from exc
-        return to_ipc_payload(rows)
+            raw = await self.store.read(self.files[f], layout.message_offset, layout.message_length)
+        except OSError as exc:
+            raise SampleError(f"{url}: cannot read record batch {b}: {exc}") from exc
+        if len(raw) != layout.message_length:
+            raise SampleError(f"{url}: file is truncated in record batch {b}")
+        batch = await self.run_blocking(self._decode_message, raw, url, b)
+        self._whole[key] = batch
+        self._whole_bytes += batch.nbytes
+        while self._whole_bytes > WHOLE_BATCH_CACHE_BYTES and len(self._whole) > 1:
+            _, old = self._whole.popitem(last=False)
+            self._whole_bytes -= old.nbytes
+        return batch
+
+    def _decode_message(self, raw: bytes, url: str, b: int) -> pa.RecordBatch:
+        try:
+            message = pa.ipc.read_message(pa.py_buffer(raw))
+            batch = pa.ipc.read_record_batch(message, self.file_schema)
+            batch.validate(full=True)
+        except (pa.ArrowInvalid, OSError, ValueError) as exc:
+            raise SampleError(f"{url}: record batch {b} is corrupt: {exc}") from exc
+        return batch.select(self.schema.names).replace_schema_metadata(self.schema.metadata)
+
+    # ---- tools --------------------------------------------------------------------------
+    def read_table(self) -> pa.Table:
+        """The whole dataset in memory, read through the store (tools and baselines only)."""
+        tables = []
+        for path in self.files:
+            data = self.store.read_file(path)
+            source = pa.BufferReader(data)
+            reader = pa.ipc.open_file(source) if data[:6] == b"ARROW1" else pa.ipc.open_stream(source)
+            tables.append(reader.read_all().select(self.schema.names))
+        return pa.concat_tables(tables).replace_schema_metadata(self.schema.metadata)
 
     def close(self) -> None:
-        self.table = self.table.schema.empty_table()  # lets go of the mapped files
-        self._rows = RowTaker(self.table)
+        self.pages.clear()
+        self._whole.clear()
+        self._whole_bytes = 0
 
 
 class ArrowIPCReader(TableReader):
     format = "arrow"
 
-    def __init__(self, name: str, path: str):
-        super().__init__(name, path, data_files(Path(path), ARROW_SUFFIXES, "Arrow dataset"))
+    def __init__(self, name: str, path: str, store: Store | None = None, **kwargs):
+        from ..storage import default_local_store
+
+        store = store if store is not None else default_local_store()
+        super().__init__(name, path, dataset_files(store, path, ARROW_SUFFIXES, "Arrow dataset"), store=store, **kwargs)
+

@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
+from ..storage import Store, default_local_store
+
 DatasetKind = Literal["table", "image"]
 
 
@@ -121,10 +123,15 @@ class Reader(abc.ABC):
     #: False when `read` does no I/O at all (the scheduler may then skip the await).
     read_does_io: ClassVar[bool] = True
 
-    def __init__(self, name: str, path: str, executor: concurrent.futures.Executor | None = None):
+    def __init__(
+        self, name: str, path: str, executor: concurrent.futures.Executor | None = None, store: Store | None = None
+    ):
         self.name = name
+        #: Where the dataset is, as the user wrote it (a path or a URL); messages use it.
         self.path = path
         self._executor = executor
+        #: The storage every read goes through (the process's LocalStore when not given).
+        self.store: Store = store if store is not None else default_local_store()
 
     @property
     def executor(self) -> concurrent.futures.Executor | None:
@@ -144,8 +151,11 @@ class Reader(abc.ABC):
     def info(self) -> DatasetInfo: ...
 
     @abc.abstractmethod
-    async def read(self, index: int) -> Any:
-        """Do the I/O of one sample; return an item for `encode`. Raises SampleError."""
+    async def read(self, index: int, columns: Sequence[str] = ()) -> Any:
+        """Do the I/O of one sample; return an item for `encode`. Raises SampleError.
+
+        `columns` are those the stream will encode (all when empty): a table reader
+        reads only their bytes; other readers ignore it."""
 
     @abc.abstractmethod
     def encode(self, items: Sequence[Any], columns: Sequence[str] = (), decode_images: bool = False) -> Payload:
@@ -201,7 +211,7 @@ class IndexReader(Reader):
         estimate = self.row_nbytes(columns)
         return lambda _index: estimate
 
-    async def read(self, index: int) -> int:
+    async def read(self, index: int, columns: Sequence[str] = ()) -> int:
         return self.read_now(index)
 
 

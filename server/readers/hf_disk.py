@@ -18,9 +18,9 @@ What a served row is, next to `load_from_disk(path)[i]`:
 from __future__ import annotations
 
 import json
-from pathlib import Path
 from typing import Any
 
+from ..storage import Store, default_local_store
 from .arrow_ipc import TableReader
 from .base import DatasetError
 
@@ -29,49 +29,54 @@ INFO_FILE = "dataset_info.json"
 DICT_FILE = "dataset_dict.json"
 
 
-def is_hf_folder(path: Path) -> bool:
+def is_hf_folder(store: Store, path: str) -> bool:
     """A save_to_disk folder of a Dataset or a DatasetDict (the latter is refused on open)."""
-    return path.is_dir() and any((path / f).is_file() for f in (STATE_FILE, INFO_FILE, DICT_FILE))
+    return store.is_dir(path) and any(store.is_file(store.join(path, f)) for f in (STATE_FILE, INFO_FILE, DICT_FILE))
 
 
-def _load_json(path: Path) -> Any:
+def _load_json(store: Store, path: str) -> Any:
     try:
-        return json.loads(path.read_text())
+        return json.loads(store.read_file(path))
     except (OSError, ValueError) as exc:
-        raise DatasetError(f"{path}: not a readable save_to_disk file: {exc}") from exc
+        raise DatasetError(f"{store.url(path)}: not a readable save_to_disk file: {exc}") from exc
 
 
-def dataset_dict_error(root: Path) -> DatasetError:
-    splits = _load_json(root / DICT_FILE).get("splits") or sorted(
-        d.name for d in root.iterdir() if (d / STATE_FILE).is_file()
-    )
-    example = root / (splits[0] if splits else "train")
+def dataset_dict_error(store: Store, root: str) -> DatasetError:
+    splits = _load_json(store, store.join(root, DICT_FILE)).get("splits") or [
+        d for d in store.list_dir(root)[0] if store.is_file(store.join(root, d, STATE_FILE))
+    ]
+    example = store.url(store.join(root, splits[0] if splits else "train"))
     return DatasetError(
-        f"{root} is a Hugging Face DatasetDict with splits {splits}; serve one split by pointing at "
-        f"{root}/<split>, e.g. {example}"
+        f"{store.url(root)} is a Hugging Face DatasetDict with splits {splits}; serve one split by pointing at "
+        f"{store.url(root)}/<split>, e.g. {example}"
     )
 
 
 class HFDiskReader(TableReader):
     format = "hf"
 
-    def __init__(self, name: str, path: str):
-        root = Path(path)
-        if (root / DICT_FILE).is_file():
-            raise dataset_dict_error(root)
-        if not (root / STATE_FILE).is_file():
-            raise DatasetError(f"{path} is not a Dataset.save_to_disk folder: it has no {STATE_FILE}")
-        state = _load_json(root / STATE_FILE)
+    def __init__(self, name: str, path: str, store: Store | None = None, **kwargs: Any):
+        store = store if store is not None else default_local_store()
+        url = store.url(path)
+        if store.is_file(store.join(path, DICT_FILE)):
+            raise dataset_dict_error(store, path)
+        if not store.is_file(store.join(path, STATE_FILE)):
+            raise DatasetError(f"{url} is not a Dataset.save_to_disk folder: it has no {STATE_FILE}")
+        state = _load_json(store, store.join(path, STATE_FILE))
         if state.get("_indices_data_files"):
             raise DatasetError(
-                f"{path}: state.json lists an indices mapping ({state['_indices_data_files']}); "
+                f"{url}: state.json lists an indices mapping ({state['_indices_data_files']}); "
                 "load it, call Dataset.flatten_indices() and save_to_disk again"
             )
-        files = [root / f["filename"] for f in state.get("_data_files", [])]
-        missing = [str(f) for f in files if not f.is_file()]
+        names = [f.get("filename", "") for f in state.get("_data_files", [])]
+        bad = [n for n in names if not n or "/" in n or "\\" in n or n in (".", "..")]
+        if bad:
+            raise DatasetError(f"{url}: state.json names data files outside its folder: {bad}")
+        files = [store.join(path, n) for n in names]
+        missing = [store.url(f) for f in files if not store.is_file(f)]
         if missing:
-            raise DatasetError(f"{path}: data files listed in state.json are missing: {missing}")
+            raise DatasetError(f"{url}: data files listed in state.json are missing: {missing}")
         format_columns = state.get("_format_columns")
         if state.get("_output_all_columns", False):
             format_columns = None
-        super().__init__(name, path, files, columns=format_columns)
+        super().__init__(name, path, files, columns=format_columns, store=store, **kwargs)

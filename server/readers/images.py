@@ -1,17 +1,15 @@
-"""What image readers share: reading bytes on the bounded executor, sniffing formats,
+"""What image readers share: reading bytes through the store, sniffing formats,
 building records, and decoding on the server when a client asks for it."""
 
 from __future__ import annotations
 
-import asyncio
-import concurrent.futures
 import io
-import os
 from collections.abc import Sequence
 from typing import NamedTuple
 
 import numpy as np
 
+from ..storage import Store
 from .base import ImagePayload, ImageRecord, SampleError
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif")
@@ -40,39 +38,16 @@ def is_image_name(name: str) -> bool:
     return name.lower().endswith(IMAGE_EXTENSIONS)
 
 
-def _pread(path: str, offset: int, size: int) -> bytes:
-    fd = os.open(path, os.O_RDONLY)
+async def read_bytes(store: Store, path: str, index: int, where: str, offset: int = 0, size: int = -1) -> bytes:
+    """`size` bytes at `offset` of `path` (the whole file for -1), one real read on the
+    store (a pread on its I/O pool, a range GET); errors name `where` and `index`."""
     try:
-        if size < 0:
-            size = os.fstat(fd).st_size - offset
-        parts, got = [], 0
-        while got < size:  # pread may return less than asked (signals, some file systems)
-            part = os.pread(fd, size - got, offset + got)
-            if not part:
-                break  # end of file: the caller reports the truncation
-            parts.append(part)
-            got += len(part)
-        return parts[0] if len(parts) == 1 else b"".join(parts)
-    finally:
-        os.close(fd)
-
-
-async def read_bytes(
-    path: str, index: int, where: str, executor: concurrent.futures.Executor | None, offset: int = 0, size: int = -1
-) -> bytes:
-    """`size` bytes at `offset` of `path` (the whole file for -1); errors name `where` and `index`.
-
-    One call on the bounded executor opens, reads and closes: aiofiles would take a
-    thread hop for each of the three (and a fourth to seek), which cost the server about
-    as much CPU per image as sending it.
-    """
-    try:
-        data = await asyncio.get_running_loop().run_in_executor(executor, _pread, path, offset, size)
+        data = await store.read(path, offset, size)
     except OSError as exc:
-        raise SampleError(f"sample {index} ({where}): cannot read: {exc}", index=index, path=path) from exc
+        raise SampleError(f"sample {index} ({where}): cannot read: {exc}", index=index, path=store.url(path)) from exc
     if size >= 0 and len(data) != size:
         raise SampleError(
-            f"sample {index} ({where}): file is truncated ({len(data)} of {size} bytes)", index=index, path=path
+            f"sample {index} ({where}): file is truncated ({len(data)} of {size} bytes)", index=index, path=store.url(path)
         )
     return data
 

@@ -115,10 +115,10 @@ class LatencyInjected(Reader):
     def info(self) -> DatasetInfo:
         return self.inner.info()
 
-    async def read(self, index: int) -> Any:
+    async def read(self, index: int, columns: Sequence[str] = ()) -> Any:
         delay = self.overrides.get(index)
         await wait(self.sampler() if delay is None else delay)
-        return await self.inner.read(index)
+        return await self.inner.read(index, columns)
 
     def read_later(self, index: int) -> tuple[float, Callable[[int], Any]] | None:
         # Over a reader without I/O (memory-mapped Arrow) a read is just the delay:

@@ -3,25 +3,26 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Sequence
 from pathlib import Path
+from collections.abc import Callable, Sequence
 
 from .arrow_ipc import ARROW_SUFFIXES, ArrowIPCReader
+from ..storage import Store, default_local_store
 from .base import DatasetError, OutsideRootsError, Reader
 from .hf_disk import HFDiskReader, is_hf_folder
 from .imagefolder import ImageFolderReader, looks_like_imagefolder
 from .parquet import ParquetReader
 from .webdataset import WebDatasetReader
 
-_Opener = Callable[[str, str, "str | None"], Reader]
+_Opener = Callable[[str, str, "str | None", Store], Reader]
 
-#: Format name -> opener(name, path, cache_dir).
+#: Format name -> opener(name, path in the store, cache_dir, store).
 OPENERS: dict[str, _Opener] = {
-    "arrow": lambda name, path, cache_dir: ArrowIPCReader(name, path),
-    "hf": lambda name, path, cache_dir: HFDiskReader(name, path),
-    "parquet": lambda name, path, cache_dir: ParquetReader(name, path),
-    "imagefolder": lambda name, path, cache_dir: ImageFolderReader(name, path),
-    "webdataset": lambda name, path, cache_dir: WebDatasetReader(name, path, cache_dir=cache_dir),
+    "arrow": lambda name, path, cache_dir, store: ArrowIPCReader(name, path, store=store),
+    "hf": lambda name, path, cache_dir, store: HFDiskReader(name, path, store=store),
+    "parquet": lambda name, path, cache_dir, store: ParquetReader(name, path, store=store),
+    "imagefolder": lambda name, path, cache_dir, store: ImageFolderReader(name, path, store=store),
+    "webdataset": lambda name, path, cache_dir, store: WebDatasetReader(name, path, cache_dir=cache_dir, store=store),
 }
 FORMATS = tuple(OPENERS)
 
@@ -35,48 +36,69 @@ _LAYOUTS = (
 )
 
 
-def detect_format(path: Path) -> str:
-    """The format of the dataset at `path`, from its suffix or the files it holds."""
-    if path.is_file():
-        fmt = SUFFIX_FORMATS.get(path.suffix.lower())
+def detect_format(path: str | os.PathLike, store: Store | None = None) -> str:
+    """The format of the dataset at `path` (of `store`), from its suffix or the files it holds."""
+    store = store if store is not None else default_local_store()
+    path = os.fspath(path)
+    suffix = os.path.splitext(path.rstrip("/"))[1].lower()
+    if store.is_file(path):
+        fmt = SUFFIX_FORMATS.get(suffix)
         if fmt is not None:
             return fmt
-    elif path.is_dir():
-        if is_hf_folder(path):
+    elif store.is_dir(path):
+        if is_hf_folder(store, path):
             return "hf"
-        suffixes = {f.suffix.lower() for f in path.iterdir() if f.is_file()}
-        for suffix, fmt in SUFFIX_FORMATS.items():
-            if suffix in suffixes:
+        suffixes = {os.path.splitext(f.path)[1].lower() for f in store.list_dir(path)[1]}
+        for sfx, fmt in SUFFIX_FORMATS.items():
+            if sfx in suffixes:
                 return fmt
-        if looks_like_imagefolder(path):
+        if looks_like_imagefolder(store, path):
             return "imagefolder"
     else:
-        raise DatasetError(f"dataset {path} does not exist")
-    raise DatasetError(f"cannot tell the format of {path}; expected one of: {_LAYOUTS}; formats: {', '.join(FORMATS)}")
+        raise DatasetError(f"dataset {store.url(path)} does not exist")
+    raise DatasetError(
+        f"cannot tell the format of {store.url(path)}; expected one of: {_LAYOUTS}; formats: {', '.join(FORMATS)}"
+    )
 
 
 def default_name(path: str | os.PathLike) -> str:
     """The basename of `path` without its data suffix: /data/c4-train.parquet -> c4-train."""
-    base = os.path.basename(os.path.normpath(path))
+    base = os.path.basename(os.path.normpath(os.fspath(path).split("://", 1)[-1]))
     stem, suffix = os.path.splitext(base)
     return stem if suffix.lower() in SUFFIX_FORMATS and stem else base
 
 
 def open_dataset(
-    path: str | os.PathLike, *, name: str | None = None, format: str | None = None, cache_dir: str | None = None
+    path: str | os.PathLike,
+    *,
+    name: str | None = None,
+    format: str | None = None,
+    cache_dir: str | None = None,
+    store: Store | None = None,
 ) -> Reader:
     """A reader for the dataset at `path`; `format` (one of FORMATS) is detected when not given.
 
-    Blocking (opens files, may scan tar shards): the server calls it in an executor.
+    `path` is a file-system path (read through `store`, by default the process's
+    LocalStore) or an object-store URL such as s3://bucket/prefix. Blocking (reads
+    metadata, may scan tar shards): the server calls it in an executor.
     """
-    p = Path(path)
-    if not p.exists():
-        raise DatasetError(f"dataset {p} does not exist")
-    fmt = format or detect_format(p)
+    location = os.fspath(path)
+    if "://" in location and not location.startswith("file://"):
+        from ..storage.urls import open_store
+
+        store, key = open_store(location)
+    else:
+        store = store if store is not None else default_local_store()
+        key = os.path.abspath(location.removeprefix("file://"))
+        if not os.path.exists(key):
+            raise DatasetError(f"dataset {key} does not exist")
+    fmt = format or detect_format(key, store)
     opener = OPENERS.get(fmt)
     if opener is None:
-        raise DatasetError(f"dataset {p}: unknown format {fmt!r}; formats: {', '.join(FORMATS)}")
-    return opener(name or default_name(p), str(p), cache_dir)
+        raise DatasetError(f"dataset {store.url(key)}: unknown format {fmt!r}; formats: {', '.join(FORMATS)}")
+    reader = opener(name or default_name(location), key, cache_dir, store)
+    reader.path = store.url(key)  # what the user named: messages and DatasetInfo show it
+    return reader
 
 
 def resolve_under_roots(path: str | os.PathLike, roots: Sequence[str | os.PathLike]) -> Path:

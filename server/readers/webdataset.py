@@ -27,7 +27,10 @@ import tarfile
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
-from .base import DatasetError, DatasetInfo, ImagePayload, Reader, data_files
+from ..storage import Store, default_local_store
+from ..storage.fileobj import open_store_file
+from .arrow_ipc import dataset_files
+from .base import DatasetError, DatasetInfo, ImagePayload, Reader
 from .images import ImageItem, checked_format, image_payload, read_bytes
 
 INDEX_VERSION = 2
@@ -61,7 +64,7 @@ def pick_extension(exts: Iterable[str], wanted: Sequence[str]) -> str | None:
     return next((e for e in exts if e.rpartition(".")[2].lower() in wanted), None)
 
 
-def _parse_label(tar: tarfile.TarFile, shard: Path, key: str, members: dict[str, tarfile.TarInfo]) -> int:
+def _parse_label(tar: tarfile.TarFile, shard: str, key: str, members: dict[str, tarfile.TarInfo]) -> int:
     for wanted, required in ((LABEL_EXTS, True), (OPTIONAL_LABEL_EXTS, False)):
         ext = pick_extension(members, wanted)
         if ext is None or (not required and members[ext].size > _MAX_LABEL_BYTES):
@@ -78,47 +81,51 @@ def _parse_label(tar: tarfile.TarFile, shard: Path, key: str, members: dict[str,
     return -1
 
 
-def _check_end_of_archive(shard: Path, offset: int, size: int, last: str | None) -> None:
+def _check_end_of_archive(store: Store, shard: str, offset: int, size: int, last: str | None) -> None:
     """tarfile stops quietly at a cut or garbled header; a whole shard ends in zero blocks."""
     tail_len = size - offset
     tail = b""
     if _TAR_BLOCK <= tail_len <= _MAX_TAIL:
-        with open(shard, "rb") as f:
-            f.seek(offset)
-            tail = f.read(tail_len)
+        tail = store.read_range(shard, offset, tail_len)
     if not tail or tail.strip(b"\0"):
         after = f"after member {last}" if last else "at its start"
         raise DatasetError(
-            f"tar shard {shard} is truncated or corrupt {after}: expected the end-of-archive zero blocks at byte "
+            f"tar shard {store.url(shard)} is truncated or corrupt {after}: expected the end-of-archive zero blocks at byte "
             f"{offset} of {size}"
         )
 
 
-def scan_shard(shard: Path) -> ShardIndex:
-    """Read the tar headers (and label members) of one shard; errors name shard and member."""
-    size = shard.stat().st_size
+def scan_shard(shard: str, store: Store | None = None) -> ShardIndex:
+    """Read the tar headers (and label members) of one shard; errors name shard and member.
+
+    Through `store`, sequential reads of 1 MiB: on an object store this reads most of
+    the shard once, which is why the index is cached."""
+    store = store if store is not None else default_local_store()
+    url = store.url(str(shard))
+    shard = str(shard)
+    size = store.size(shard)
     grouped: dict[str, dict[str, tarfile.TarInfo]] = {}
     last = None
     try:
-        with tarfile.open(shard, "r:") as tar:
+        with open_store_file(store, shard) as fileobj, tarfile.open(fileobj=fileobj, mode="r:") as tar:
             for member in tar:
                 if member.offset_data + member.size > size:
                     raise DatasetError(
-                        f"tar shard {shard} is truncated: member {member.name} needs bytes up to "
+                        f"tar shard {url} is truncated: member {member.name} needs bytes up to "
                         f"{member.offset_data + member.size}, the file has {size}"
                     )
                 last = member.name
                 if member.isfile():
                     key, ext = split_member_name(member.name)
                     grouped.setdefault(key, {})[ext] = member
-            _check_end_of_archive(shard, tar.offset, size, last)
+            _check_end_of_archive(store, shard, tar.offset, size, last)
             return [
-                (key, {ext: (m.offset_data, m.size) for ext, m in members.items()}, _parse_label(tar, shard, key, members))
+                (key, {ext: (m.offset_data, m.size) for ext, m in members.items()}, _parse_label(tar, url, key, members))
                 for key, members in grouped.items()
             ]
     except (tarfile.TarError, EOFError, OSError) as exc:
         after = f" after member {last}" if last else ""
-        raise DatasetError(f"tar shard {shard} is corrupt or truncated{after}: {exc}") from exc
+        raise DatasetError(f"tar shard {url} is corrupt or truncated{after}: {exc}") from exc
 
 
 def index_locations(shard: Path, cache_dir: str | os.PathLike | None) -> tuple[list[Path], Path]:
@@ -152,39 +159,53 @@ def _write_index(path: Path, stamp: dict[str, int], samples: ShardIndex) -> None
         tmp.unlink(missing_ok=True)  # an unwritable cache only costs a rescan next time
 
 
-def load_index(shard: Path, cache_dir: str | os.PathLike | None = None) -> ShardIndex:
-    """The shard's offset index, from a cache file that still matches the shard, else scanned."""
-    st = shard.stat()
-    stamp = {"version": INDEX_VERSION, "size": st.st_size, "mtime_ns": st.st_mtime_ns}
-    candidates, target = index_locations(shard, cache_dir)
+def load_index(shard: str | Path, cache_dir: str | os.PathLike | None = None, store: Store | None = None) -> ShardIndex:
+    """The shard's offset index, from a cache file that still matches the shard, else scanned.
+
+    On an object store the stamp is the object's size and URL, and the index is cached
+    under `cache_dir` (or ~/.cache/croupier/tar-index) only."""
+    store = store if store is not None else default_local_store()
+    if store.scheme != "file":
+        url = store.url(str(shard))
+        stamp: dict[str, int | str] = {"version": INDEX_VERSION, "size": store.size(str(shard)), "url": url}
+        base = Path(cache_dir) if cache_dir is not None else Path.home() / ".cache" / "croupier" / "tar-index"
+        target = base / f"{url.rsplit('/', 1)[-1]}.{hashlib.sha1(url.encode()).hexdigest()[:16]}.idx.json"
+        candidates = [target]
+    else:
+        shard = Path(shard)
+        st = shard.stat()
+        stamp = {"version": INDEX_VERSION, "size": st.st_size, "mtime_ns": st.st_mtime_ns}
+        candidates, target = index_locations(shard, cache_dir)
     for path in candidates:
-        samples = _read_index(path, stamp)
+        samples = _read_index(path, stamp)  # type: ignore[arg-type]
         if samples is not None:
             return samples
-    samples = scan_shard(shard)
-    _write_index(target, stamp, samples)
+    samples = scan_shard(str(shard), store)
+    _write_index(target, stamp, samples)  # type: ignore[arg-type]
     return samples
 
 
 class WebDatasetReader(Reader):
     format = "webdataset"
 
-    def __init__(self, name: str, path: str, cache_dir: str | os.PathLike | None = None):
-        super().__init__(name, path)
-        self.shards = data_files(Path(path), (".tar",), "WebDataset")
+    def __init__(self, name: str, path: str, cache_dir: str | os.PathLike | None = None, store: Store | None = None):
+        super().__init__(name, path, store=store)
+        self.shards = dataset_files(self.store, path, (".tar",), "WebDataset")
         # Per sample: (shard number, member name, data offset, size, label)
         self.samples: list[tuple[int, str, int, int, int]] = []
         for sno, shard in enumerate(self.shards):
-            for key, members, label in load_index(shard, cache_dir):
+            for key, members, label in load_index(shard, cache_dir, self.store):
                 ext = pick_extension(members, IMAGE_EXTS)
                 if ext is not None:
                     self.samples.append((sno, f"{key}.{ext}", *members[ext], label))
         if not self.samples:
             raise DatasetError(f"WebDataset {path}: no sample has an image member ({', '.join(IMAGE_EXTS)})")
-        classes_file = self.shards[0].parent / CLASSES_FILE
+        folder = self.shards[0].rsplit("/", 1)[0] if "/" in self.shards[0] else ""
+        classes_file = self.store.join(folder, CLASSES_FILE) if folder else CLASSES_FILE
         self.classes: tuple[str, ...] = ()
-        if classes_file.is_file():
-            self.classes = tuple(line.strip() for line in classes_file.read_text().splitlines() if line.strip())
+        if self.store.is_file(classes_file):
+            text = self.store.read_file(classes_file).decode("utf-8", errors="replace")
+            self.classes = tuple(line.strip() for line in text.splitlines() if line.strip())
 
     def __len__(self) -> int:
         return len(self.samples)
@@ -194,13 +215,14 @@ class WebDatasetReader(Reader):
             name=self.name, num_rows=len(self), kind="image", format=self.format, path=self.path, classes=self.classes
         )
 
-    async def read(self, index: int) -> ImageItem:
+    async def read(self, index: int, columns: Sequence[str] = ()) -> ImageItem:
         self.check_index(index)
         sno, member, offset, size, label = self.samples[index]
-        shard = str(self.shards[sno])
-        where = f"{shard}:{member}"
-        data = await read_bytes(shard, index, where, self.executor, offset, size)
-        return ImageItem(index, data, label, checked_format(data, index, where, shard), member, where)
+        shard = self.shards[sno]
+        url = self.store.url(shard)
+        where = f"{url}:{member}"
+        data = await read_bytes(self.store, shard, index, where, offset, size)
+        return ImageItem(index, data, label, checked_format(data, index, where, url), member, where)
 
     def encode(self, items: Sequence[ImageItem], columns: Sequence[str] = (), decode_images: bool = False) -> ImagePayload:
         return image_payload(items, decode_images)

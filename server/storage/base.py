@@ -1,0 +1,174 @@
+"""The one interface every storage backend implements: range reads, many in flight.
+
+Formats (server/readers) say *what* to read, as (path, offset, size) ranges; a store
+says *how*: it issues the reads concurrently, counts them, and hands back bytes. A
+store never knows what a row or an image is. Two halves, as in Arrow's RandomAccessFile
+and object_store's `get_range`:
+
+* open-time calls (`size`, `read_range`, `list_files`, `list_dir`) are blocking: the
+  catalog opens datasets in an executor, and reads metadata once there;
+* the hot path, `read` / `read_ranges`, is async: each call is a real read on the
+  storage (a pread, a range GET), awaited on the event loop while hundreds to
+  thousands of others are in flight. Nothing waits on storage on the loop itself.
+
+Paths are the store's own: absolute file-system paths for `LocalStore`, object keys
+for object stores. `url(path)` turns one back into what a user wrote, for messages.
+Missing files raise FileNotFoundError; other failures OSError (or a subclass).
+"""
+
+from __future__ import annotations
+
+import abc
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class FileEntry:
+    """A file (object) of a store: its path in the store and its size in bytes."""
+
+    path: str
+    size: int
+
+
+@dataclass
+class StoreStats:
+    """What a store has done: reads issued and bytes returned, and reads in flight.
+
+    Updated from the event loop (async reads) and from executor threads (open-time
+    reads), hence the lock; a read costs two lock round trips, far below its I/O.
+    """
+
+    reads: int = 0
+    bytes: int = 0
+    in_flight: int = 0
+    max_in_flight: int = 0
+    errors: int = 0
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    def started(self, count: int = 1) -> None:
+        with self._lock:
+            self.reads += count
+            self.in_flight += count
+            if self.in_flight > self.max_in_flight:
+                self.max_in_flight = self.in_flight
+
+    def finished(self, nbytes: int, count: int = 1, ok: bool = True) -> None:
+        with self._lock:
+            self.in_flight -= count
+            self.bytes += nbytes
+            if not ok:
+                self.errors += count
+
+    def snapshot(self) -> dict[str, int]:
+        with self._lock:
+            return {
+                "reads": self.reads,
+                "bytes": self.bytes,
+                "in_flight": self.in_flight,
+                "max_in_flight": self.max_in_flight,
+                "errors": self.errors,
+            }
+
+
+Range = tuple[int, int]  # (offset, size)
+
+
+class Store(abc.ABC):
+    """Range reads on one file system or bucket. Subclasses implement the `_` methods;
+    the public ones count every read in `stats`."""
+
+    #: URL scheme, e.g. "file" or "s3".
+    scheme: str = ""
+
+    def __init__(self) -> None:
+        self.stats = StoreStats()
+
+    # ---- naming -------------------------------------------------------------------
+    @abc.abstractmethod
+    def url(self, path: str) -> str:
+        """`path` as a user would write it (/data/x.arrow, s3://bucket/x.arrow)."""
+
+    @abc.abstractmethod
+    def join(self, base: str, *parts: str) -> str:
+        """A path under `base` (parts use '/' separators)."""
+
+    # ---- open time (blocking) -----------------------------------------------------
+    @abc.abstractmethod
+    def size(self, path: str) -> int:
+        """Bytes in the file at `path`; FileNotFoundError when there is none."""
+
+    @abc.abstractmethod
+    def is_file(self, path: str) -> bool: ...
+
+    @abc.abstractmethod
+    def is_dir(self, path: str) -> bool:
+        """A folder (for object stores: some object has the prefix `path/`)."""
+
+    @abc.abstractmethod
+    def list_dir(self, path: str) -> tuple[list[str], list[FileEntry]]:
+        """One level of folder `path`: (names of subfolders, files), each sorted by name."""
+
+    def list_files(self, path: str) -> list[FileEntry]:
+        """Every file under folder `path`, at any depth, sorted by path."""
+        dirs, files = self.list_dir(path)
+        out = list(files)
+        for d in dirs:
+            out.extend(self.list_files(self.join(path, d)))
+        return sorted(out, key=lambda f: f.path)
+
+    def read_range(self, path: str, offset: int, size: int) -> bytes:
+        """`size` bytes at `offset` (fewer at the end of the file), blocking."""
+        self.stats.started()
+        ok, data = False, b""
+        try:
+            data = self._read_range(path, offset, size)
+            ok = True
+            return data
+        finally:
+            self.stats.finished(len(data), ok=ok)
+
+    def read_file(self, path: str) -> bytes:
+        """The whole file, blocking (metadata files: state.json, indexes)."""
+        return self.read_range(path, 0, self.size(path))
+
+    @abc.abstractmethod
+    def _read_range(self, path: str, offset: int, size: int) -> bytes: ...
+
+    # ---- the hot path (async) -----------------------------------------------------
+    async def read(self, path: str, offset: int, size: int) -> bytes:
+        """`size` bytes at `offset` of `path` (fewer at the end of the file); a real read
+        on the storage, concurrent with every other read in flight. size -1: to the end."""
+        self.stats.started()
+        ok, data = False, b""
+        try:
+            data = await self._read(path, offset, size)
+            ok = True
+            return data
+        finally:
+            self.stats.finished(len(data), ok=ok)
+
+    async def read_ranges(self, path: str, ranges: Sequence[Range]) -> list[bytes]:
+        """Several ranges of one file at once (a store may coalesce neighbours)."""
+        n = len(ranges)
+        self.stats.started(n)
+        ok, got = False, 0
+        try:
+            parts = await self._read_ranges(path, ranges)
+            got = sum(len(p) for p in parts)
+            ok = True
+            return parts
+        finally:
+            self.stats.finished(got, count=n, ok=ok)
+
+    @abc.abstractmethod
+    async def _read(self, path: str, offset: int, size: int) -> bytes: ...
+
+    async def _read_ranges(self, path: str, ranges: Sequence[Range]) -> list[bytes]:
+        import asyncio
+
+        return list(await asyncio.gather(*(self._read(path, o, s) for o, s in ranges)))
+
+    def close(self) -> None:
+        """Release files, threads and connections."""

@@ -1,0 +1,170 @@
+"""Local and network file systems (ext4, NFS, Lustre, FUSE mounts): preads on an I/O pool.
+
+Each async read is one `os.pread` on a thread of `IOPool`, so as many reads are in
+flight as the server's read limit allows. Open files are kept (an open on NFS or FUSE
+costs a round trip of its own) in a bounded cache, and marked POSIX_FADV_RANDOM: a
+1 KB row must not pull 128 KB of kernel read-ahead over the network.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import stat
+import threading
+from collections.abc import Sequence
+
+from .base import FileEntry, Range, Store
+from .iopool import IOPool
+
+#: Open files kept at once; older unused ones are closed (stays well under ulimit -n).
+DEFAULT_MAX_OPEN_FILES = 512
+
+
+class _FileCache:
+    """path -> open fd, at most `limit` unused ones kept; fds in use are never closed."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self._fds: collections.OrderedDict[str, list[int]] = collections.OrderedDict()  # path -> [fd, users]
+        self._lock = threading.Lock()
+
+    def acquire(self, path: str) -> int:
+        with self._lock:
+            entry = self._fds.get(path)
+            if entry is not None:
+                entry[1] += 1
+                self._fds.move_to_end(path)
+                return entry[0]
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise IsADirectoryError(f"{path} is not a regular file")
+            if hasattr(os, "posix_fadvise"):
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+        except BaseException:
+            os.close(fd)
+            raise
+        with self._lock:
+            entry = self._fds.get(path)
+            if entry is not None:  # another thread opened it meanwhile: keep one
+                entry[1] += 1
+                os.close(fd)
+                return entry[0]
+            self._fds[path] = [fd, 1]
+            self._evict()
+            return fd
+
+    def release(self, path: str) -> None:
+        with self._lock:
+            entry = self._fds.get(path)
+            if entry is not None:
+                entry[1] -= 1
+            self._evict()
+
+    def _evict(self) -> None:
+        if len(self._fds) <= self.limit:
+            return
+        for path in [p for p, (_, users) in self._fds.items() if users == 0][: len(self._fds) - self.limit]:
+            os.close(self._fds.pop(path)[0])
+
+    def close(self) -> None:
+        with self._lock:
+            for fd, _ in self._fds.values():
+                os.close(fd)
+            self._fds.clear()
+
+
+def _pread_all(fd: int, offset: int, size: int) -> bytes:
+    if size < 0:
+        size = max(os.fstat(fd).st_size - offset, 0)
+    parts, got = [], 0
+    while got < size:  # pread may return less than asked (signals, some file systems)
+        part = os.pread(fd, size - got, offset + got)
+        if not part:
+            break  # end of file: the caller sees fewer bytes than it asked for
+        parts.append(part)
+        got += len(part)
+    if len(parts) == 1:
+        return parts[0]
+    return b"".join(parts)
+
+
+class LocalStore(Store):
+    scheme = "file"
+
+    def __init__(self, io_threads: int = 256, max_open_files: int = DEFAULT_MAX_OPEN_FILES, pool: IOPool | None = None):
+        super().__init__()
+        self.pool = pool or IOPool(io_threads)
+        self._files = _FileCache(max_open_files)
+
+    def url(self, path: str) -> str:
+        return path
+
+    def join(self, base: str, *parts: str) -> str:
+        return os.path.join(base, *parts)
+
+    def size(self, path: str) -> int:
+        st = os.stat(path)
+        if not stat.S_ISREG(st.st_mode):
+            raise IsADirectoryError(f"{path} is not a regular file")
+        return st.st_size
+
+    def is_file(self, path: str) -> bool:
+        return os.path.isfile(path)
+
+    def is_dir(self, path: str) -> bool:
+        return os.path.isdir(path)
+
+    def list_dir(self, path: str) -> tuple[list[str], list[FileEntry]]:
+        dirs, files = [], []
+        with os.scandir(path) as it:
+            for e in it:
+                if e.is_dir():  # follows links, as ImageFolder's walk does
+                    dirs.append(e.name)
+                elif e.is_file():
+                    files.append(FileEntry(e.path, e.stat().st_size))
+        return sorted(dirs), sorted(files, key=lambda f: f.path)
+
+    def _pread(self, path: str, offset: int, size: int) -> bytes:
+        fd = self._files.acquire(path)
+        try:
+            return _pread_all(fd, offset, size)
+        finally:
+            self._files.release(path)
+
+    def _preads(self, path: str, ranges: Sequence[Range]) -> list[bytes]:
+        fd = self._files.acquire(path)
+        try:
+            return [_pread_all(fd, o, s) for o, s in ranges]
+        finally:
+            self._files.release(path)
+
+    def _read_range(self, path: str, offset: int, size: int) -> bytes:
+        return self._pread(path, offset, size)
+
+    async def _read(self, path: str, offset: int, size: int) -> bytes:
+        return await self.pool.submit(self._pread, path, offset, size)
+
+    async def _read_ranges(self, path: str, ranges: Sequence[Range]) -> list[bytes]:
+        if len(ranges) == 1:
+            return [await self.pool.submit(self._pread, path, *ranges[0])]
+        return await super()._read_ranges(path, ranges)
+
+    def close(self) -> None:
+        self.pool.close()
+        self._files.close()
+
+
+_default: LocalStore | None = None
+_default_lock = threading.Lock()
+
+
+def default_local_store() -> LocalStore:
+    """The process's shared LocalStore, for readers opened without one (tools, tests);
+    the server passes its own, sized by --max-reads."""
+    global _default
+    with _default_lock:
+        if _default is None:
+            _default = LocalStore()
+        return _default
