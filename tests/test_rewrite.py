@@ -213,7 +213,9 @@ def test_hf_saved_format_columns_are_what_is_kept(tmp_path: Path) -> None:
     out = read_parts(tmp_path / "out")
     assert out.column_names == ["id", "label"]  # the files' order, as the server serves it
     assert out.column("label").to_pylist() == [i % 3 for i in range(50)]
-    features = datasets.Dataset(out).features  # the HF features were trimmed to match
+    hf_features = json.loads(out.schema.metadata[b"huggingface"])["info"]["features"]
+    assert list(hf_features) == ["id", "label"]  # the HF features were trimmed to match
+    features = datasets.Dataset(out).features
     assert list(features) == ["id", "label"] and features["label"].names == ["neg", "neu", "pos"]
 
 

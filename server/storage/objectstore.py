@@ -1,0 +1,391 @@
+"""Object stores (S3 first; GCS and Azure as obstore builds them) behind the `Store` interface.
+
+Built on obstore (Python bindings of Rust's object_store): each async read is one range
+GET awaited on the event loop while the request itself runs on obstore's Tokio runtime,
+so hundreds to thousands of GETs are in flight with no thread per read. Open-time calls
+(HEAD, LIST) are obstore's blocking ones, which the catalog runs in an executor.
+
+Paths are object keys in the bucket, without a leading slash ("data/part-0.arrow");
+`url(path)` gives "s3://bucket/data/part-0.arrow". '/' separates folders: `list_dir` is a
+delimiter listing, `is_dir(p)` holds when some key starts with "p/".
+
+Reads behave like a file's pread: a range past the end returns the bytes that exist
+(S3 answers 416 when the range starts at or after the end; that becomes b""), and
+size -1 reads to the end. `read_ranges` merges neighbouring ranges (gap at most
+`coalesce_bytes`) and issues every merged range as its own `get_range_async`, all at
+once. obstore's own `get_ranges_async` is not used: it runs at most 10 GETs of one call
+at a time, merges ranges up to 1 MiB apart (a 1 MiB download for two 1 KB rows), and
+panics (a BaseException) when a range starts past the end of the object.
+
+Configuration is what the AWS SDKs read, plus explicit overrides (the server's flags):
+
+* credentials: AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_SESSION_TOKEN, else web
+  identity (AWS_WEB_IDENTITY_TOKEN_FILE + AWS_ROLE_ARN), ECS/EKS container credentials,
+  EC2 instance metadata, in obstore's order; AWS_SKIP_SIGNATURE=true for anonymous
+  (public buckets). Profiles (AWS_PROFILE, ~/.aws) are not read.
+* region: AWS_REGION, else AWS_DEFAULT_REGION, else us-east-1;
+* endpoint: AWS_ENDPOINT_URL_S3, else AWS_ENDPOINT_URL (else AWS's); an http:// endpoint
+  (MinIO, a loopback test server) turns on `allow_http`.
+* options (dict, override the environment): endpoint, region, access_key_id,
+  secret_access_key, session_token, skip_signature, allow_http,
+  virtual_hosted_style_request; HTTP client: timeout, connect_timeout, read_timeout,
+  pool_idle_timeout, pool_max_idle_per_host, http2, allow_invalid_certificates,
+  proxy_url, user_agent; retries: max_retries, retry_timeout (seconds);
+  coalesce_bytes; any other key goes to obstore's store config as is.
+
+Retries are obstore's (10, exponential backoff from 100 ms, for 5xx, connection errors
+and timeouts), but a read gives up 60 s after its first attempt rather than 3 minutes,
+an attempt times out after 60 s and a connect after 5 s. HTTP/1.1 connections are pooled
+without a cap, so every read in flight has its own connection.
+
+Errors: a missing key raises FileNotFoundError naming its URL; a missing bucket
+BucketNotFoundError; denied access ObjectStorePermissionError (a PermissionError); an
+unreachable endpoint ObjectStoreConnectionError (a ConnectionError) or
+ObjectStoreTimeoutError; anything else ObjectStoreError. All are OSErrors whose message
+names the URL, what happened, and the endpoint.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import os
+import re
+from collections.abc import Mapping, Sequence
+from datetime import timedelta
+from typing import Any
+
+import obstore
+from obstore.store import AzureStore, GCSStore, S3Store
+
+from .base import FileEntry, Range, Store
+
+#: Neighbouring ranges of one `read_ranges` call closer than this are read by one GET.
+DEFAULT_COALESCE_BYTES = 16 << 10
+#: ... as long as the merged GET stays under this size.
+MAX_COALESCED_BYTES = 8 << 20
+
+_CLIENT_DEFAULTS: dict[str, Any] = {"connect_timeout": "5s", "timeout": "60s"}
+_RETRY_TIMEOUT_S = 60.0
+
+_CLIENT_KEYS = {"allow_http", "allow_invalid_certificates", "connect_timeout", "default_content_type",
+                "default_headers", "http1_only", "http2_keep_alive_interval", "http2_keep_alive_timeout",
+                "http2_keep_alive_while_idle", "http2_only", "pool_idle_timeout", "pool_max_idle_per_host",
+                "proxy_url", "proxy_ca_certificate", "proxy_excludes", "randomize_addresses", "read_timeout",
+                "root_certificate", "timeout", "user_agent"}
+_DURATION_KEYS = {"connect_timeout", "timeout", "read_timeout", "pool_idle_timeout", "http2_keep_alive_timeout"}
+_RETRY_KEYS = {"max_retries", "retry_timeout"}
+
+SCHEMES = ("s3", "gs", "az")
+
+
+class ObjectStoreError(OSError):
+    """An object store failed (other than a missing object); the message says where and why."""
+
+
+class BucketNotFoundError(ObjectStoreError):
+    """The bucket (container) does not exist, or was deleted."""
+
+
+class ObjectStorePermissionError(ObjectStoreError, PermissionError):
+    """The credentials were refused, or lack access."""
+
+
+class ObjectStoreConnectionError(ObjectStoreError, ConnectionError):
+    """The endpoint could not be reached (after obstore's retries)."""
+
+
+class ObjectStoreTimeoutError(ObjectStoreError, TimeoutError):
+    """Requests timed out (after obstore's retries)."""
+
+
+def _env(*names: str) -> str | None:
+    for name in names:
+        value = os.environ.get(name)
+        if value:
+            return value
+    return None
+
+
+def _duration(value: Any) -> Any:
+    """Seconds (int/float) -> obstore's duration string; strings and timedeltas pass."""
+    if isinstance(value, bool):
+        raise ValueError(f"not a duration: {value!r}")
+    if isinstance(value, (int, float)):
+        return f"{int(round(value * 1000))}ms"
+    return value
+
+
+def _truthy(value: Any) -> bool:
+    if isinstance(value, str):
+        return value.strip().lower() in ("1", "true", "yes", "on")
+    return bool(value)
+
+
+_S3_CODE = re.compile(r"<Code>([^<]*)</Code>(?:\s*<Message>([^<]*)</Message>)?")
+_STATUS = re.compile(r"status code: (\d{3})|status: (\d{3})")
+_MISSING_BUCKET = ("NoSuchBucket", "ContainerNotFound", "bucket does not exist")
+_DENIED = ("AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken", "InvalidToken",
+           "AuthorizationHeaderMalformed", "AuthenticationFailed", "AuthorizationFailure")
+
+
+def _is_416(exc: BaseException) -> bool:
+    text = str(exc)
+    return "416 Range Not Satisfiable" in text or "<Code>InvalidRange</Code>" in text or "status: 416" in text
+
+
+def _detail(text: str) -> str:
+    """A short reason from obstore's long error text: the service's error code and message when
+    it sent one, else the first line before obstore's debug dump."""
+    m = _S3_CODE.search(text)
+    if m:
+        return f"{m.group(1)}: {m.group(2)}" if m.group(2) else m.group(1)
+    head = text.split("\n\nDebug source", 1)[0].split("\n", 1)[0].strip()
+    return head[:400] + ("..." if len(head) > 400 else "")
+
+
+class ObjectStore(Store):
+    """One bucket (S3; GCS bucket or Azure container with `scheme` gs / az) of an object store."""
+
+    scheme = "s3"
+
+    def __init__(self, bucket: str, *, scheme: str = "s3", options: Mapping[str, Any] | None = None):
+        super().__init__()
+        if scheme in ("s3a",):
+            scheme = "s3"
+        if scheme not in SCHEMES:
+            raise ValueError(f"unsupported object store scheme {scheme!r}: supported are {', '.join(SCHEMES)}")
+        if not bucket or "/" in bucket:
+            raise ValueError(f"invalid bucket name {bucket!r}")
+        self.scheme = scheme
+        self.bucket = bucket
+        opts = dict(options or {})
+        self.coalesce_bytes = int(opts.pop("coalesce_bytes", DEFAULT_COALESCE_BYTES))
+        client: dict[str, Any] = dict(_CLIENT_DEFAULTS)
+        retry: dict[str, Any] = {"retry_timeout": timedelta(seconds=_RETRY_TIMEOUT_S)}
+        config: dict[str, Any] = {}
+        for key, value in opts.items():
+            if value is None:
+                continue
+            if key == "http2":
+                client["http1_only"] = not _truthy(value)
+            elif key in _CLIENT_KEYS:
+                client[key] = _duration(value) if key in _DURATION_KEYS else value
+            elif key == "max_retries":
+                retry["max_retries"] = int(value)
+            elif key == "retry_timeout":
+                retry["retry_timeout"] = value if isinstance(value, timedelta) else timedelta(seconds=float(value))
+            else:
+                config[key] = value
+        if "pool_max_idle_per_host" in client:
+            client["pool_max_idle_per_host"] = str(client["pool_max_idle_per_host"])
+        self.endpoint: str | None = None
+        try:
+            if scheme == "s3":
+                self._inner = self._s3(config, client, retry)
+            elif scheme == "gs":
+                self.endpoint = "https://storage.googleapis.com"
+                self._inner = GCSStore(bucket, config=config or None, client_options=client, retry_config=retry)
+            else:
+                self.endpoint = "https://<account>.blob.core.windows.net"
+                self._inner = AzureStore(bucket, config=config or None, client_options=client, retry_config=retry)
+        except obstore.exceptions.BaseError as e:
+            raise ValueError(f"cannot configure {self.url('')}: {_detail(str(e))}") from e
+
+    def _s3(self, config: dict[str, Any], client: dict[str, Any], retry: dict[str, Any]) -> S3Store:
+        endpoint = config.pop("endpoint", None) or config.pop("aws_endpoint_url_s3", None) or \
+            _env("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL", "AWS_ENDPOINT")
+        region = config.pop("region", None) or _env("AWS_REGION", "AWS_DEFAULT_REGION") or "us-east-1"
+        config["region"] = region
+        if endpoint:
+            endpoint = endpoint.rstrip("/")
+            # both keys: obstore prefers AWS_ENDPOINT_URL_S3 from the environment over `endpoint`
+            config["endpoint"] = config["aws_endpoint_url_s3"] = endpoint
+            if endpoint.startswith("http://") and "allow_http" not in client:
+                client["allow_http"] = True
+            self.endpoint = endpoint
+        else:
+            self.endpoint = f"https://s3.{region}.amazonaws.com"
+        if "skip_signature" in config:
+            config["skip_signature"] = _truthy(config["skip_signature"])
+        return S3Store(self.bucket, config=config, client_options=client, retry_config=retry)
+
+    # ---- naming -------------------------------------------------------------------
+    def url(self, path: str) -> str:
+        key = path.lstrip("/")
+        return f"{self.scheme}://{self.bucket}/{key}" if key else f"{self.scheme}://{self.bucket}"
+
+    def join(self, base: str, *parts: str) -> str:
+        return "/".join(p.strip("/") for p in (base, *parts) if p.strip("/"))
+
+    @staticmethod
+    def _key(path: str) -> str:
+        return path.strip("/")
+
+    # ---- errors -------------------------------------------------------------------
+    def _error(self, exc: BaseException, path: str, what: str) -> OSError:
+        """obstore's exception -> an OSError naming the URL and what happened."""
+        url = self.url(path)
+        text = str(exc)
+        where = f"(endpoint {self.endpoint})"
+        if any(s in text for s in _MISSING_BUCKET):
+            return BucketNotFoundError(errno.ENOENT, f"bucket {self.bucket!r} does not exist {where}: cannot {what}", url)
+        if isinstance(exc, FileNotFoundError) or isinstance(exc, obstore.exceptions.NotFoundError):
+            return FileNotFoundError(errno.ENOENT, "No such object", url)
+        status = next((int(a or b) for a, b in _STATUS.findall(text)), None)
+        if isinstance(exc, (obstore.exceptions.PermissionDeniedError, obstore.exceptions.UnauthenticatedError)) \
+                or status in (401, 403) or any(s in text for s in _DENIED):
+            return ObjectStorePermissionError(
+                errno.EACCES, f"access denied {where}: cannot {what}: {_detail(text)}; check the credentials "
+                "(AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY / AWS_SESSION_TOKEN, or AWS_SKIP_SIGNATURE for public "
+                "buckets)", url)
+        lower = text.lower()
+        if "timed out" in lower or "timeout" in lower.split("\n\ndebug source", 1)[0]:
+            return ObjectStoreTimeoutError(errno.ETIMEDOUT, f"timed out {where}: cannot {what}: {_detail(text)}", url)
+        if "error sending request" in lower or "connect" in lower.split("\n\ndebug source", 1)[0] or \
+                "dns error" in lower or "connection refused" in lower:
+            return ObjectStoreConnectionError(
+                errno.ECONNREFUSED, f"cannot reach {self.endpoint}: cannot {what}: {_detail(text)}", url)
+        if isinstance(exc, obstore.exceptions.InvalidPathError):
+            return ObjectStoreError(errno.EINVAL, f"invalid object key: {_detail(text)}", url)
+        return ObjectStoreError(errno.EIO, f"cannot {what} {where}: {_detail(text)}", url)
+
+    def _missing(self, exc: BaseException, path: str, what: str) -> OSError:
+        """A 404 without a body (HEAD): a missing key, unless the bucket itself is gone."""
+        err = self._error(exc, path, what)
+        if type(err) is FileNotFoundError:
+            self._check_bucket(path, what)
+        return err
+
+    def _check_bucket(self, path: str, what: str) -> None:
+        try:  # one LIST of (usually) nothing: fails with NoSuchBucket when the bucket is gone
+            obstore.list_with_delimiter(self._inner, self._key(path) or None)
+        except Exception as e:
+            err = self._error(e, path, what)
+            if type(err) is not FileNotFoundError:
+                raise err from e
+
+    # ---- open time (blocking) -----------------------------------------------------
+    def size(self, path: str) -> int:
+        key = self._key(path)
+        if not key:
+            raise IsADirectoryError(errno.EISDIR, "Is a bucket, not an object", self.url(path))
+        try:
+            return int(obstore.head(self._inner, key)["size"])
+        except Exception as e:
+            raise self._missing(e, path, "get its size") from e
+
+    def is_file(self, path: str) -> bool:
+        key = self._key(path)
+        if not key:
+            return False
+        try:
+            obstore.head(self._inner, key)
+            return True
+        except Exception as e:
+            err = self._missing(e, path, "check it")
+            if type(err) is FileNotFoundError:
+                return False
+            raise err from e
+
+    def is_dir(self, path: str) -> bool:
+        key = self._key(path)
+        try:
+            for chunk in obstore.list(self._inner, key or None, chunk_size=1):
+                return len(chunk) > 0
+            return not key  # the bucket's root exists even when empty
+        except Exception as e:
+            err = self._error(e, path, "list it")
+            if type(err) is FileNotFoundError:
+                return False
+            raise err from e
+
+    def list_dir(self, path: str) -> tuple[list[str], list[FileEntry]]:
+        key = self._key(path)
+        try:
+            result = obstore.list_with_delimiter(self._inner, key or None)
+        except Exception as e:
+            raise self._error(e, path, "list it") from e
+        dirs = sorted(p.rsplit("/", 1)[-1] for p in result["common_prefixes"])
+        files = sorted((FileEntry(m["path"], int(m["size"])) for m in result["objects"]), key=lambda f: f.path)
+        if key and not dirs and not files:
+            raise FileNotFoundError(errno.ENOENT, "No such folder (no key starts with it)", self.url(path) + "/")
+        return dirs, files
+
+    def list_files(self, path: str) -> list[FileEntry]:
+        key = self._key(path)
+        try:
+            out = [FileEntry(m["path"], int(m["size"]))
+                   for chunk in obstore.list(self._inner, key or None, chunk_size=1000) for m in chunk]
+        except Exception as e:
+            raise self._error(e, path, "list it") from e
+        return sorted(out, key=lambda f: f.path)
+
+    def _read_range(self, path: str, offset: int, size: int) -> bytes:
+        key = self._key(path)
+        if size == 0:
+            return b""
+        try:
+            if size < 0:
+                options = {"range": {"offset": offset}} if offset else None
+                return bytes(obstore.get(self._inner, key, options=options).bytes())
+            return bytes(obstore.get_range(self._inner, key, start=offset, length=size))
+        except Exception as e:
+            if _is_416(e):
+                return b""
+            raise self._error(e, path, "read it") from e
+
+    def read_file(self, path: str) -> bytes:
+        """The whole object in one GET (no HEAD first)."""
+        return self.read_range(path, 0, -1)
+
+    # ---- the hot path (async) -----------------------------------------------------
+    async def _get(self, path: str, start: int, end: int) -> bytes | memoryview:
+        """Bytes [start, end) of the object (end -1: to its end), fewer past its end."""
+        key = self._key(path)
+        try:
+            if end < 0:
+                options = {"range": {"offset": start}} if start else None
+                result = await obstore.get_async(self._inner, key, options=options)
+                return memoryview(await result.bytes_async())
+            return memoryview(await obstore.get_range_async(self._inner, key, start=start, end=end))
+        except Exception as e:
+            if _is_416(e):
+                return b""
+            raise self._error(e, path, "read it") from e
+
+    async def _read(self, path: str, offset: int, size: int) -> bytes:
+        if size == 0:
+            return b""
+        return bytes(await self._get(path, offset, -1 if size < 0 else offset + size))
+
+    async def _read_ranges(self, path: str, ranges: Sequence[Range]) -> list[bytes]:
+        if len(ranges) == 1:
+            return [await self._read(path, *ranges[0])]
+        out: list[bytes] = [b""] * len(ranges)
+        order = sorted((i for i, (_, s) in enumerate(ranges) if s != 0), key=lambda i: ranges[i][0])
+        groups: list[tuple[int, int, list[int]]] = []  # (start, end or -1, indexes)
+        for i in order:
+            o, s = ranges[i]
+            end = -1 if s < 0 else o + s
+            if groups:
+                gs, ge, idx = groups[-1]
+                if ge < 0 or (o - ge <= self.coalesce_bytes and end >= 0 and max(end, ge) - gs <= MAX_COALESCED_BYTES):
+                    groups[-1] = (gs, -1 if ge < 0 else max(ge, end), idx + [i])
+                    continue
+                if end < 0 and o - ge <= self.coalesce_bytes:
+                    groups[-1] = (gs, -1, idx + [i])
+                    continue
+            groups.append((o, end, [i]))
+        datas = await asyncio.gather(*(self._get(path, gs, ge) for gs, ge, _ in groups))
+        for (gs, _, idx), data in zip(groups, datas):
+            view = memoryview(data)
+            for i in idx:
+                o, s = ranges[i]
+                a = o - gs
+                out[i] = bytes(view[a:] if s < 0 else view[a:a + s])
+        return out
+
+    def close(self) -> None:
+        """Nothing to release: obstore's connections close when idle. (Stores are shared
+        between datasets through `open_store`'s cache, so this must not break them.)"""
