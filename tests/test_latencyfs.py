@@ -202,6 +202,32 @@ def test_64_reads_sleep_at_once(source):
 
 
 @needs_fuse
+def test_evict_makes_cached_pages_cold_again(source):
+    import mmap
+    with latencyfs.mounted(source["root"], median_ms=0) as fs:
+        fd = os.open(fs.path / "big", os.O_RDONLY)
+        m = mmap.mmap(fd, 0, prot=mmap.PROT_READ)
+        try:
+            m.madvise(mmap.MADV_RANDOM)
+            pages = [p * 4096 for p in range(0, BIG // 4096, 97)]
+
+            def touch() -> int:
+                fs.reset_stats()
+                assert bytes(m[o] for o in pages) == bytes(source["files"]["big"][o] for o in pages)
+                return fs.stats()["requests"]
+
+            assert touch() == len(pages)
+            assert touch() == 0  # cached, and mapped
+            assert fs.evict() == len(source["files"]) + 1 + 64  # + sub/inner.txt + conc/*
+            assert touch() == len(pages)
+            assert fs.evict([fs.path / "big"]) == 1
+            assert touch() == len(pages)
+        finally:
+            m.close()
+            os.close(fd)
+
+
+@needs_fuse
 def test_reset_restarts_the_delay_sequence(source):
     with latencyfs.mounted(source["root"], median_ms=0.2, sigma=1.0, seed=5) as fs:
         expected = latencyfs.print_delays(1, median_ms=0.2, sigma=1.0, seed=5)[0]

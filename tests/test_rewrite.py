@@ -177,7 +177,8 @@ def hf_dataset(n: int):
          "label": datasets.ClassLabel(names=["neg", "neu", "pos"])}
     )
     return datasets.Dataset.from_dict(
-        {"id": list(range(n)), "text": [f"text {i} " + "xy" * (i % 9) for i in range(n)], "label": [i % 3 for i in range(n)]},
+        {"id": list(range(n)), "text": [f"text {i} " + "xy" * (i % 9) for i in range(n)],
+         "label": [i % 3 for i in range(n)]},
         features=features,
     )
 
@@ -292,7 +293,8 @@ def test_webdataset_shards_become_hf_image_rows(tmp_path: Path) -> None:
     rewrite(tmp_path / "src", tmp_path / "out", rows_per_batch=6, progress=False)
     check_layout(tmp_path / "out", 6, 23)
     check_image_rewrite(tmp_path / "out", labels, ["ant", "bee", "cow"], expected_pixel)
-    assert read_parts(tmp_path / "out").column("image").combine_chunks().field("path").to_pylist() == [s[1] for s in wds.samples]
+    paths = read_parts(tmp_path / "out").column("image").combine_chunks().field("path").to_pylist()
+    assert paths == [s[1] for s in wds.samples]
 
 
 def test_webdataset_without_classes_names_labels_by_number(tmp_path: Path) -> None:

@@ -68,7 +68,7 @@ class ArrowRows(Dataset):
         if self._table is None:  # opened lazily: each worker maps the files itself
             from croupier.server.readers import open_dataset
 
-            self._table = open_dataset(self.path).table
+            self._table = open_dataset(self.path).mapped_table()
         return self._table
 
     def __len__(self) -> int:

@@ -20,7 +20,7 @@ def text_rate(path: Path, batch: int = 64, seconds: float = 1.5, max_batches: in
     from croupier.client.samples import collate_table
     from croupier.server.readers import open_dataset
 
-    table = open_dataset(str(path)).table.combine_chunks()  # one chunk: take stays O(batch)
+    table = open_dataset(str(path)).mapped_table().combine_chunks()  # one chunk: take stays O(batch)
     rng = np.random.default_rng(0)
     n, t0 = 0, time.perf_counter()
     for _ in range(max_batches):

@@ -363,6 +363,21 @@ class TableReader(Reader):
             tables.append(reader.read_all().select(self.schema.names))
         return pa.concat_tables(tables).replace_schema_metadata(self.schema.metadata)
 
+    def mapped_table(self) -> pa.Table:
+        """The dataset as one zero-copy table over memory-mapped local files, the way
+        `datasets` and most Arrow tools read it (baselines and tools, never the server:
+        its page faults would wait on storage wherever they happen)."""
+        if self.store.scheme != "file":
+            raise DatasetError(f"{self.path}: only local files can be memory-mapped")
+        tables = []
+        for path in self.files:
+            source = pa.memory_map(path, "r")
+            magic = source.read(6)
+            source.seek(0)
+            reader = pa.ipc.open_file(source) if magic == b"ARROW1" else pa.ipc.open_stream(source)
+            tables.append(reader.read_all().select(self.schema.names))
+        return pa.concat_tables(tables).replace_schema_metadata(self.schema.metadata)
+
     def close(self) -> None:
         self.pages.clear()
         self._whole.clear()

@@ -144,6 +144,29 @@ def _detail(text: str) -> str:
     return head[:400] + ("..." if len(head) > 400 else "")
 
 
+_CONNECT = re.compile(r'ConnectError\(\s*"([^"]+)"')
+_OS_MESSAGE = re.compile(r'(?:message|error): "([^"]+)"')
+
+
+def _connect_reason(text: str) -> str:
+    """"connection refused", "dns error: Name or service not known", ... from obstore's debug text."""
+    kind = _CONNECT.search(text)
+    message = _OS_MESSAGE.search(text)
+    parts = [p for p in (kind and kind.group(1), message and message.group(1)) if p]
+    return ": ".join(parts) if parts else "connection failed"
+
+
+_ATTEMPTS = re.compile(r" in ([0-9.]+[a-zµ]+)(?:, after (\d+) retries)?")
+
+
+def _attempts(text: str) -> str:
+    """", after 7 retries in 2.1s" from obstore's first line."""
+    m = _ATTEMPTS.search(text.split("\n", 1)[0])
+    if not m:
+        return ""
+    return f", after {m.group(2)} retries in {m.group(1)}" if m.group(2) else f", in {m.group(1)}"
+
+
 class ObjectStore(Store):
     """One bucket (S3; GCS bucket or Azure container with `scheme` gs / az) of an object store."""
 
@@ -179,18 +202,22 @@ class ObjectStore(Store):
                 config[key] = value
         if "pool_max_idle_per_host" in client:
             client["pool_max_idle_per_host"] = str(client["pool_max_idle_per_host"])
+        #: the endpoint, for messages ("https://s3.us-east-1.amazonaws.com", "http://127.0.0.1:9000")
         self.endpoint: str | None = None
+        #: the obstore store: its HTTP client, credentials and configuration (`client.config`)
+        self.client: S3Store | GCSStore | AzureStore
         try:
             if scheme == "s3":
-                self._inner = self._s3(config, client, retry)
+                self.client = self._s3(config, client, retry)
             elif scheme == "gs":
                 self.endpoint = "https://storage.googleapis.com"
-                self._inner = GCSStore(bucket, config=config or None, client_options=client, retry_config=retry)
+                self.client = GCSStore(bucket, config=config or None, client_options=client, retry_config=retry)
             else:
                 self.endpoint = "https://<account>.blob.core.windows.net"
-                self._inner = AzureStore(bucket, config=config or None, client_options=client, retry_config=retry)
+                self.client = AzureStore(bucket, config=config or None, client_options=client, retry_config=retry)
         except obstore.exceptions.BaseError as e:
-            raise ValueError(f"cannot configure {self.url('')}: {_detail(str(e))}") from e
+            hint = " (set AZURE_STORAGE_ACCOUNT_NAME, or pass account_name)" if scheme == "az" else ""
+            raise ValueError(f"cannot configure {self.url('')}: {_detail(str(e))}{hint}") from e
 
     def _s3(self, config: dict[str, Any], client: dict[str, Any], retry: dict[str, Any]) -> S3Store:
         endpoint = config.pop("endpoint", None) or config.pop("aws_endpoint_url_s3", None) or \
@@ -224,31 +251,35 @@ class ObjectStore(Store):
 
     # ---- errors -------------------------------------------------------------------
     def _error(self, exc: BaseException, path: str, what: str) -> OSError:
-        """obstore's exception -> an OSError naming the URL and what happened."""
+        """obstore's exception -> an OSError whose message names the URL and what happened."""
         url = self.url(path)
         text = str(exc)
-        where = f"(endpoint {self.endpoint})"
         if any(s in text for s in _MISSING_BUCKET):
-            return BucketNotFoundError(errno.ENOENT, f"bucket {self.bucket!r} does not exist {where}: cannot {what}", url)
-        if isinstance(exc, FileNotFoundError) or isinstance(exc, obstore.exceptions.NotFoundError):
+            return BucketNotFoundError(f"{url}: cannot {what}: bucket {self.bucket!r} does not exist "
+                                       f"(endpoint {self.endpoint})")
+        if isinstance(exc, (FileNotFoundError, obstore.exceptions.NotFoundError)):
             return FileNotFoundError(errno.ENOENT, "No such object", url)
+        if "169.254.169.254" in text or "169.254.170.2" in text:  # the instance / container credentials service
+            return ObjectStorePermissionError(
+                f"{url}: cannot {what}: no credentials: none in the environment, and the instance metadata service "
+                f"failed ({_detail(text)}); set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or AWS_SKIP_SIGNATURE=true "
+                "for a public bucket")
         status = next((int(a or b) for a, b in _STATUS.findall(text)), None)
         if isinstance(exc, (obstore.exceptions.PermissionDeniedError, obstore.exceptions.UnauthenticatedError)) \
                 or status in (401, 403) or any(s in text for s in _DENIED):
             return ObjectStorePermissionError(
-                errno.EACCES, f"access denied {where}: cannot {what}: {_detail(text)}; check the credentials "
-                "(AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY / AWS_SESSION_TOKEN, or AWS_SKIP_SIGNATURE for public "
-                "buckets)", url)
-        lower = text.lower()
-        if "timed out" in lower or "timeout" in lower.split("\n\ndebug source", 1)[0]:
-            return ObjectStoreTimeoutError(errno.ETIMEDOUT, f"timed out {where}: cannot {what}: {_detail(text)}", url)
-        if "error sending request" in lower or "connect" in lower.split("\n\ndebug source", 1)[0] or \
-                "dns error" in lower or "connection refused" in lower:
-            return ObjectStoreConnectionError(
-                errno.ECONNREFUSED, f"cannot reach {self.endpoint}: cannot {what}: {_detail(text)}", url)
+                f"{url}: cannot {what}: access denied (endpoint {self.endpoint}): {_detail(text)}; check the "
+                "credentials (AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY / AWS_SESSION_TOKEN, or AWS_SKIP_SIGNATURE=true "
+                "for a public bucket)")
+        if "kind: Timeout" in text or "TimedOut" in text:
+            return ObjectStoreTimeoutError(f"{url}: cannot {what}: requests to {self.endpoint} timed out"
+                                           f"{_attempts(text)}")
+        if "kind: Connect" in text or "error sending request" in text:
+            return ObjectStoreConnectionError(f"{url}: cannot {what}: cannot reach {self.endpoint} "
+                                              f"({_connect_reason(text)}){_attempts(text)}")
         if isinstance(exc, obstore.exceptions.InvalidPathError):
-            return ObjectStoreError(errno.EINVAL, f"invalid object key: {_detail(text)}", url)
-        return ObjectStoreError(errno.EIO, f"cannot {what} {where}: {_detail(text)}", url)
+            return ObjectStoreError(f"{url}: invalid object key: {_detail(text)}")
+        return ObjectStoreError(f"{url}: cannot {what} (endpoint {self.endpoint}): {_detail(text)}")
 
     def _missing(self, exc: BaseException, path: str, what: str) -> OSError:
         """A 404 without a body (HEAD): a missing key, unless the bucket itself is gone."""
@@ -259,7 +290,7 @@ class ObjectStore(Store):
 
     def _check_bucket(self, path: str, what: str) -> None:
         try:  # one LIST of (usually) nothing: fails with NoSuchBucket when the bucket is gone
-            obstore.list_with_delimiter(self._inner, self._key(path) or None)
+            obstore.list_with_delimiter(self.client, self._key(path) or None)
         except Exception as e:
             err = self._error(e, path, what)
             if type(err) is not FileNotFoundError:
@@ -271,7 +302,7 @@ class ObjectStore(Store):
         if not key:
             raise IsADirectoryError(errno.EISDIR, "Is a bucket, not an object", self.url(path))
         try:
-            return int(obstore.head(self._inner, key)["size"])
+            return int(obstore.head(self.client, key)["size"])
         except Exception as e:
             raise self._missing(e, path, "get its size") from e
 
@@ -280,7 +311,7 @@ class ObjectStore(Store):
         if not key:
             return False
         try:
-            obstore.head(self._inner, key)
+            obstore.head(self.client, key)
             return True
         except Exception as e:
             err = self._missing(e, path, "check it")
@@ -291,7 +322,7 @@ class ObjectStore(Store):
     def is_dir(self, path: str) -> bool:
         key = self._key(path)
         try:
-            for chunk in obstore.list(self._inner, key or None, chunk_size=1):
+            for chunk in obstore.list(self.client, key or None, chunk_size=1):
                 return len(chunk) > 0
             return not key  # the bucket's root exists even when empty
         except Exception as e:
@@ -303,7 +334,7 @@ class ObjectStore(Store):
     def list_dir(self, path: str) -> tuple[list[str], list[FileEntry]]:
         key = self._key(path)
         try:
-            result = obstore.list_with_delimiter(self._inner, key or None)
+            result = obstore.list_with_delimiter(self.client, key or None)
         except Exception as e:
             raise self._error(e, path, "list it") from e
         dirs = sorted(p.rsplit("/", 1)[-1] for p in result["common_prefixes"])
@@ -316,7 +347,7 @@ class ObjectStore(Store):
         key = self._key(path)
         try:
             out = [FileEntry(m["path"], int(m["size"]))
-                   for chunk in obstore.list(self._inner, key or None, chunk_size=1000) for m in chunk]
+                   for chunk in obstore.list(self.client, key or None, chunk_size=1000) for m in chunk]
         except Exception as e:
             raise self._error(e, path, "list it") from e
         return sorted(out, key=lambda f: f.path)
@@ -328,8 +359,8 @@ class ObjectStore(Store):
         try:
             if size < 0:
                 options = {"range": {"offset": offset}} if offset else None
-                return bytes(obstore.get(self._inner, key, options=options).bytes())
-            return bytes(obstore.get_range(self._inner, key, start=offset, length=size))
+                return bytes(obstore.get(self.client, key, options=options).bytes())
+            return bytes(obstore.get_range(self.client, key, start=offset, length=size))
         except Exception as e:
             if _is_416(e):
                 return b""
@@ -346,9 +377,9 @@ class ObjectStore(Store):
         try:
             if end < 0:
                 options = {"range": {"offset": start}} if start else None
-                result = await obstore.get_async(self._inner, key, options=options)
+                result = await obstore.get_async(self.client, key, options=options)
                 return memoryview(await result.bytes_async())
-            return memoryview(await obstore.get_range_async(self._inner, key, start=start, end=end))
+            return memoryview(await obstore.get_range_async(self.client, key, start=start, end=end))
         except Exception as e:
             if _is_416(e):
                 return b""

@@ -1,0 +1,242 @@
+"""Real reads, really in flight: counted at the storage, never timed.
+
+* A stream keeps its whole read budget in flight as real reads on the store, for
+  tables and images alike, and the file-system store's I/O pool holds that many
+  blocking preads at once, however few CPU workers the server has.
+* A row of a large table costs about its own bytes: not its record batch, not the file.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pytest
+
+from croupier.server.planner import EpochPlan
+from croupier.server.readers import open_dataset
+from croupier.server.scheduler import Dealer, FetchLimits, StreamRange
+from croupier.server.storage import LocalStore, Store
+from croupier.server.storage.base import FileEntry, Range
+from readers_data import write_imagefolder
+
+
+class GatedStore(Store):
+    """A LocalStore whose async reads wait on a gate: counts calls in flight at once."""
+
+    def __init__(self, inner: LocalStore):
+        super().__init__()
+        self.inner = inner
+        self.gate: asyncio.Event | None = None
+        self.reached: asyncio.Event | None = None
+        self.in_flight = self.max_in_flight = self.target = 0
+
+    def url(self, path: str) -> str:
+        return self.inner.url(path)
+
+    def join(self, base: str, *parts: str) -> str:
+        return self.inner.join(base, *parts)
+
+    def size(self, path: str) -> int:
+        return self.inner.size(path)
+
+    def is_file(self, path: str) -> bool:
+        return self.inner.is_file(path)
+
+    def is_dir(self, path: str) -> bool:
+        return self.inner.is_dir(path)
+
+    def list_dir(self, path: str) -> tuple[list[str], list[FileEntry]]:
+        return self.inner.list_dir(path)
+
+    def _read_range(self, path: str, offset: int, size: int) -> bytes:
+        return self.inner.read_range(path, offset, size)
+
+    def arm(self, target: int) -> None:
+        """From now on, reads wait at the gate until `open()`; `reached` fires at `target`."""
+        self.gate, self.reached, self.target = asyncio.Event(), asyncio.Event(), target
+        self.in_flight = self.max_in_flight = 0
+
+    async def _gated(self, coro):
+        if self.gate is None:  # not armed: a plain read
+            return await coro
+        self.in_flight += 1
+        self.max_in_flight = max(self.max_in_flight, self.in_flight)
+        if self.in_flight >= self.target:
+            self.reached.set()
+        try:
+            await self.gate.wait()
+            return await coro
+        finally:
+            self.in_flight -= 1
+
+    async def _read(self, path: str, offset: int, size: int) -> bytes:
+        return await self._gated(self.inner.read(path, offset, size))
+
+    async def _read_ranges(self, path: str, ranges: Sequence[Range]) -> list[bytes]:
+        return await self._gated(self.inner.read_ranges(path, ranges))
+
+
+def _write_text_table(path: Path, rows: int, batch_rows: int, row_bytes: int = 1000) -> pa.Table:
+    rng = np.random.default_rng(0)
+    letters = np.frombuffer(b"abcdefghijklmnopqrstuvwxyz", dtype=np.uint8)
+    text = [rng.choice(letters, row_bytes).tobytes().decode() for _ in range(rows)]
+    table = pa.table({"id": np.arange(rows, dtype=np.int64), "text": text})
+    with pa.ipc.new_file(str(path), table.schema) as w:
+        for b in table.to_batches(max_chunksize=batch_rows):
+            w.write_batch(b)
+    return table
+
+
+async def _drain_until_in_flight(dealer: Dealer, store: GatedStore, target: int) -> list[int]:
+    """Start the stream, wait until `target` reads sit at the gate, open it, collect all."""
+    store.arm(target)
+    got: list[int] = []
+
+    async def consume() -> None:
+        async for chunk in dealer:
+            got.extend(r.index for r in chunk.refs)
+
+    task = asyncio.create_task(consume())
+    for _ in range(2000):  # bounded: the stream must reach the target with no read done
+        await asyncio.sleep(0.001)
+        if store.reached is not None and store.reached.is_set():
+            break
+    reached = store.max_in_flight
+    assert store.gate is not None
+    store.gate.set()
+    await asyncio.wait_for(task, 60)
+    assert reached >= target, f"only {reached} reads were in flight at once, wanted {target}"
+    return got
+
+
+@pytest.mark.parametrize("kind", ["arrow", "imagefolder"])
+def test_a_stream_keeps_its_read_budget_in_flight_as_real_store_reads(tmp_path: Path, kind: str) -> None:
+    if kind == "arrow":
+        _write_text_table(tmp_path / "t.arrow", 2000, batch_rows=50)
+        location, n = tmp_path / "t.arrow", 2000
+    else:
+        write_imagefolder(tmp_path / "imgs", 100, ("a", "b"))
+        location, n = tmp_path / "imgs", 200
+    store = GatedStore(LocalStore(io_threads=8))
+    reader = open_dataset(location, store=store)
+    reader.bind_executor(concurrent.futures.ThreadPoolExecutor(2))  # CPU work: 2 threads only
+    plan = EpochPlan(n, seed=3, epoch=0, batch_size=16)
+    budget = 96
+    dealer = Dealer(
+        reader,
+        plan,
+        StreamRange.of(plan, 0),
+        prefetch=16,
+        limits=FetchLimits(max_reads_per_stream=budget),
+        executor=reader.executor,
+    )
+
+    async def go() -> list[int]:
+        if kind == "arrow":  # structural pages first: a warm reader, so every read is a row's own
+            for i in range(0, n, 50):
+                await reader.read(i)
+        return await _drain_until_in_flight(dealer, store, budget)
+
+    got = asyncio.run(go())
+    assert sorted(got) == list(range(n)), "every sample exactly once"
+    assert store.max_in_flight <= budget, "never more than the stream's budget"
+
+
+def test_the_io_pool_holds_that_many_blocking_preads_at_once_beside_a_small_cpu_pool(tmp_path: Path) -> None:
+    """Preads that block (a slow file system) each hold a pool thread; 4 CPU workers do not cap them."""
+    data = tmp_path / "blob"
+    data.write_bytes(bytes(range(256)) * 64)
+    n = 200
+    entered = threading.Semaphore(0)
+    release = threading.Event()
+    inside = {"now": 0, "max": 0}
+    lock = threading.Lock()
+
+    class SlowLocalStore(LocalStore):
+        def _pread(self, path: str, offset: int, size: int) -> bytes:
+            with lock:
+                inside["now"] += 1
+                inside["max"] = max(inside["max"], inside["now"])
+            entered.release()
+            release.wait(30)
+            with lock:
+                inside["now"] -= 1
+            return super()._pread(path, offset, size)
+
+    store = SlowLocalStore(io_threads=n)
+    cpu = concurrent.futures.ThreadPoolExecutor(4)
+
+    async def go() -> list[bytes]:
+        reads = [asyncio.ensure_future(store.read(str(data), 64 * i, 64)) for i in range(n)]
+        for _ in range(n):  # every read is inside a pread at the same time
+            await asyncio.get_running_loop().run_in_executor(cpu, entered.acquire, True, 30)
+        assert inside["now"] == n
+        assert store.stats.in_flight == n
+        release.set()
+        return await asyncio.gather(*reads)
+
+    parts = asyncio.run(go())
+    assert inside["max"] == n and store.pool.threads == n
+    assert parts == [(bytes(range(256)) * 64)[64 * i : 64 * i + 64] for i in range(n)]
+    store.close()
+
+
+def test_a_row_of_a_large_table_costs_about_its_own_bytes(tmp_path: Path) -> None:
+    rows, batch_rows, row_bytes = 40_000, 1000, 1000
+    table = _write_text_table(tmp_path / "big.arrow", rows, batch_rows, row_bytes)
+    file_bytes = (tmp_path / "big.arrow").stat().st_size
+    batch_bytes = file_bytes // (rows // batch_rows)
+    store = LocalStore(io_threads=4)
+    reader = open_dataset(tmp_path / "big.arrow", store=store)
+    opened = store.stats.snapshot()
+    assert opened["bytes"] < 20_000, "opening reads the footer and the batches' metadata only"
+
+    def cost(index: int, columns=()) -> tuple[int, int]:
+        before = store.stats.snapshot()
+        item = asyncio.run(reader.read(index, columns))
+        after = store.stats.snapshot()
+        row = reader.encode([item], columns)
+        got = pa.ipc.open_stream(pa.py_buffer(row.arrow_ipc)).read_all()
+        want = table.slice(index, 1)
+        assert got.equals(want.select(list(columns)) if columns else want)
+        return after["bytes"] - before["bytes"], after["reads"] - before["reads"]
+
+    # Cold batch: the row's bytes plus its batch's small structural buffers (offsets,
+    # ids), never the batch's megabyte of text.
+    cold, _ = cost(12_345)
+    structural = 4 * (batch_rows + 1) + 8 * batch_rows
+    assert row_bytes <= cold <= row_bytes + structural + 64
+    assert cold < batch_bytes / 50
+    # Warm batch: exactly the row's own bytes, in one read.
+    warm, reads = cost(12_346)
+    assert (warm, reads) == (row_bytes, 1)
+    # A stream of the id column alone reads no text at all.
+    ids, _ = cost(12_347, ("id",))
+    assert ids == 0
+    total = store.stats.bytes - opened["bytes"]
+    assert total < 2 * row_bytes + structural + 64
+
+
+def test_hf_save_to_disk_rows_are_read_by_range_too(tmp_path: Path) -> None:
+    datasets = pytest.importorskip("datasets")
+    n = 5000
+    ds = datasets.Dataset.from_dict({"text": [f"{i:06d}" + "x" * 994 for i in range(n)], "label": list(range(n))})
+    ds.save_to_disk(str(tmp_path / "hf"))
+    store = LocalStore(io_threads=4)
+    reader = open_dataset(tmp_path / "hf", store=store)
+    assert reader.format == "hf" and len(reader) == n
+    before = store.stats.bytes
+    async def two() -> list:
+        return await asyncio.gather(*(reader.read(i) for i in (4321, 4322)))
+
+    items = asyncio.run(two())
+    spent = store.stats.bytes - before
+    assert spent < 2 * 1000 + 16 * 1024, "two rows and one batch's offsets, not the batch"
+    got = pa.ipc.open_stream(pa.py_buffer(reader.encode(items).arrow_ipc)).read_all().to_pylist()
+    assert got == [ds[4321], ds[4322]]
