@@ -40,6 +40,10 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
                    help="folder clients may stream paths from (a relative path is looked up under each in "
                    "turn); dataset paths must lie under one (repeatable)")
     g.add_argument("--cache-dir", help="where tar offset indexes go when the data folder is read-only")
+    g.add_argument("--storage-option", action="append", dest="storage_options", metavar="KEY=VALUE",
+                   help="object-store setting for s3:// (gs://, az://) datasets, over the AWS_* environment "
+                   "variables the cloud SDKs read: endpoint, region, access_key_id, secret_access_key, "
+                   "session_token, skip_signature, ... (repeatable)")
     g = p.add_argument_group("concurrency and memory")
     g.add_argument("--max-reads", type=int, help=f"sample reads in flight over all streams (default {d.max_reads})")
     g.add_argument("--max-reads-per-stream", type=int, help=f"sample reads in flight per stream (default {lim.max_reads_per_stream})")
@@ -90,6 +94,14 @@ def build_server_config(args: argparse.Namespace):
         changes["data_roots"] = tuple(args.data_roots)
     if args.max_message_mb is not None:
         changes["max_message_bytes"] = args.max_message_mb << 20
+    if args.storage_options:
+        options = dict(config.storage_options)
+        for item in args.storage_options:
+            key, sep, value = item.partition("=")
+            if not sep or not key:
+                raise ValueError(f"--storage-option {item!r}: expected KEY=VALUE, e.g. endpoint=http://127.0.0.1:9000")
+            options[key] = value
+        changes["storage_options"] = options
     limits = {}
     for name in ("max_reads_per_stream", "default_prefetch", "max_prefetch", "chunk_samples"):
         if getattr(args, name) is not None:

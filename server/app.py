@@ -59,7 +59,8 @@ class RunningServer:
 
 def open_catalog(config: ServerConfig, executor: concurrent.futures.Executor, store: LocalStore | None = None) -> Catalog:
     catalog = Catalog(
-        data_roots=config.data_roots, cache_dir=config.cache_dir, latency=config.latency, executor=executor, store=store
+        data_roots=config.data_roots, cache_dir=config.cache_dir, latency=config.latency, executor=executor, store=store,
+        storage_options=config.storage_options,
     )
     for spec in config.datasets:
         reader = catalog.add(spec)

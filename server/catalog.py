@@ -5,7 +5,8 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from .config import LatencySpec
 from .readers.base import DatasetError, DatasetInfo, OutsideRootsError, Reader
@@ -49,7 +50,10 @@ class Catalog:
         latency: LatencySpec | None = None,
         executor: concurrent.futures.Executor | None = None,
         store: Store | None = None,
+        storage_options: Mapping[str, Any] | None = None,
     ):
+        #: Object-store settings over the environment's (endpoint, region, keys...).
+        self.storage_options = dict(storage_options or {})
         #: The file-system store every local dataset reads through (the server's I/O pool).
         self.store = store
         self.data_roots = tuple(str(os.path.realpath(r)) for r in data_roots)
@@ -82,7 +86,9 @@ class Catalog:
 
         if self.data_roots and not is_url(path):
             path = str(resolve_under_roots(path, self.data_roots))
-        return self._wrap(open_dataset(path, name=name, cache_dir=self.cache_dir, store=self.store))
+        return self._wrap(open_dataset(
+            path, name=name, cache_dir=self.cache_dir, store=self.store, storage_options=self.storage_options or None
+        ))
 
     def add(self, spec: str) -> Reader:
         """Open a dataset named on the command line or in the config file (blocking)."""

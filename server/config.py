@@ -44,6 +44,9 @@ class ServerConfig:
     #: Threads that wait on file-system reads (one pread each): at most this many file
     #: reads are in flight, whatever --max-reads says. Started on demand.
     io_threads: int = 1024
+    #: Object-store settings (s3://...) over the environment's AWS_* variables:
+    #: endpoint, region, access_key_id, secret_access_key, session_token, ...
+    storage_options: dict[str, str] = field(default_factory=dict)
     limits: FetchLimits = field(default_factory=FetchLimits)
     latency: LatencySpec | None = None
     #: Seconds SIGTERM waits for open streams to finish before cancelling them.

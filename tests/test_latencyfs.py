@@ -56,7 +56,8 @@ def _pread_all(fd: int, size: int) -> bytes:
 def test_reasons_name_what_to_install(monkeypatch):
     src = latencyfs._REPO / "benchmarks" / "latencyfs" / "latencyfs.c"
     real_which = latencyfs.shutil.which
-    monkeypatch.setattr(latencyfs.shutil, "which", lambda cmd: None if cmd == latencyfs._compiler() else real_which(cmd))
+    cc = latencyfs._compiler()
+    monkeypatch.setattr(latencyfs.shutil, "which", lambda cmd: None if cmd == cc else real_which(cmd))
     with pytest.raises(RuntimeError, match="gcc"):
         latencyfs.build(src)
     monkeypatch.setattr(latencyfs.shutil, "which", lambda cmd: f"/usr/bin/{cmd}")

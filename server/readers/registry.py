@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 from .arrow_ipc import ARROW_SUFFIXES, ArrowIPCReader
 from ..storage import Store, default_local_store
@@ -75,18 +76,21 @@ def open_dataset(
     format: str | None = None,
     cache_dir: str | None = None,
     store: Store | None = None,
+    storage_options: Mapping[str, Any] | None = None,
 ) -> Reader:
     """A reader for the dataset at `path`; `format` (one of FORMATS) is detected when not given.
 
     `path` is a file-system path (read through `store`, by default the process's
-    LocalStore) or an object-store URL such as s3://bucket/prefix. Blocking (reads
+    LocalStore) or an object-store URL such as s3://bucket/prefix, whose store is
+    configured from the environment as the cloud SDKs are (AWS_ENDPOINT_URL,
+    AWS_ACCESS_KEY_ID, AWS_REGION...) and `storage_options` over it. Blocking (reads
     metadata, may scan tar shards): the server calls it in an executor.
     """
     location = os.fspath(path)
     if "://" in location and not location.startswith("file://"):
         from ..storage.urls import open_store
 
-        store, key = open_store(location)
+        store, key = open_store(location, options=storage_options)
     else:
         store = store if store is not None else default_local_store()
         key = os.path.abspath(location.removeprefix("file://"))
