@@ -79,6 +79,10 @@ async def start(config: ServerConfig) -> RunningServer:
     loop.set_default_executor(executor)
     catalog = await loop.run_in_executor(executor, open_catalog, config, executor, store)
     metrics = ServerMetrics()
+    metrics.storage.add(store)
+    for reader in catalog.readers():
+        metrics.storage.add(reader.store)  # object stores: one per bucket
+    catalog.on_open = lambda reader: metrics.storage.add(reader.store)
     service = CroupierService(
         catalog,
         limits=config.limits,

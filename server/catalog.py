@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from .config import LatencySpec
@@ -63,6 +63,8 @@ class Catalog:
         self._by_name: dict[str, Reader] = {}
         self._by_path: dict[str, Reader] = {}
         self._opening: dict[str, asyncio.Future[Reader]] = {}
+        #: Called with each dataset opened on demand (the server counts its store's reads).
+        self.on_open: Callable[[Reader], None] | None = None
 
     def _wrap(self, reader: Reader) -> Reader:
         if self.executor is not None:
@@ -101,6 +103,10 @@ class Catalog:
             raise DatasetError(f"two datasets are named {reader.name!r}; name them with NAME=PATH")
         self._by_name[reader.name] = reader
         return reader
+
+    def readers(self) -> list[Reader]:
+        """Every dataset open now (named ones and those opened by path)."""
+        return [*self._by_name.values(), *self._by_path.values()]
 
     def names(self) -> list[str]:
         return sorted(self._by_name)
@@ -141,6 +147,8 @@ class Catalog:
             self._opening.pop(key, None)
             raise
         self._by_path[key] = reader
+        if self.on_open is not None:
+            self.on_open(reader)
         return reader
 
     def close(self) -> None:

@@ -71,12 +71,47 @@ class ReadStats:
         yield h
 
 
+class StorageStats:
+    """The stores' own counters (every range read and pread, metadata included), by
+    scheme: what the storage really served, for read amplification and IOPS."""
+
+    def __init__(self) -> None:
+        self.stores: list = []  # croupier.server.storage.Store
+
+    def add(self, store) -> None:
+        if all(s is not store for s in self.stores):
+            self.stores.append(store)
+
+    def collect(self):
+        reads = CounterMetricFamily("croupier_storage_reads", "Range reads issued to storage", labels=["scheme"])
+        nbytes = CounterMetricFamily("croupier_storage_read_bytes", "Bytes returned by storage", labels=["scheme"])
+        errors = CounterMetricFamily("croupier_storage_read_errors", "Storage reads that failed", labels=["scheme"])
+        now = GaugeMetricFamily("croupier_storage_reads_in_flight", "Storage reads in flight now", labels=["scheme"])
+        peak = GaugeMetricFamily("croupier_storage_reads_in_flight_max", "Most storage reads in flight at once",
+                                 labels=["scheme"])
+        totals: dict[str, dict[str, int]] = {}
+        for store in self.stores:
+            snap = store.stats.snapshot()
+            t = totals.setdefault(store.scheme, dict.fromkeys(snap, 0))
+            for k, v in snap.items():
+                t[k] = max(t[k], v) if k == "max_in_flight" else t[k] + v
+        for scheme, t in totals.items():
+            reads.add_metric([scheme], t["reads"])
+            nbytes.add_metric([scheme], t["bytes"])
+            errors.add_metric([scheme], t["errors"])
+            now.add_metric([scheme], t["in_flight"])
+            peak.add_metric([scheme], t["max_in_flight"])
+        yield from (reads, nbytes, errors, now, peak)
+
+
 class ServerMetrics:
     def __init__(self, registry: CollectorRegistry | None = None):
         self.registry = registry or CollectorRegistry()
         r = self.registry
         self.reads = ReadStats()
         r.register(self.reads)
+        self.storage = StorageStats()
+        r.register(self.storage)
         self.samples = Counter("croupier_samples_served", "Samples sent to clients", ["dataset"], registry=r)
         self.bytes = Counter("croupier_bytes_served", "Payload bytes sent to clients", ["dataset"], registry=r)
         self.chunks = Counter("croupier_chunks_served", "Chunks (messages) sent", ["dataset"], registry=r)

@@ -210,14 +210,14 @@ class TableReader(Reader):
         layout = self.layouts[f].batches[b]
         names, codecs = self._codecs_of(columns)
         for _ in range(_MAX_ROUNDS):
-            w = Walk(f, b, layout, self.pages, set(), [])
+            w = Walk(f, b, layout, self.pages)
             try:
                 nodes = [c.walk(w, r, r + 1) for c in codecs]
             except CorruptRow as exc:
                 raise SampleError(f"{self._row_name(index, f, b, r)}, column {exc.column!r}: {exc}", index, self.path) from None
             if not w.missing:
                 break
-            await self._load_pages(f, b, w.missing)
+            await self._load_pages(f, b, set(w.missing))
         else:  # pragma: no cover - nesting deeper than _MAX_ROUNDS levels
             raise SampleError(f"{self._row_name(index, f, b, r)}: nested deeper than {_MAX_ROUNDS} levels", index, self.path)
         nbytes = 16 * len(codecs)

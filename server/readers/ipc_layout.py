@@ -91,6 +91,11 @@ class BatchLayout:
     message_offset: int  # where its encapsulated message starts (the whole-batch fallback)
     message_length: int  # prefix + metadata + body
 
+    def __post_init__(self) -> None:
+        # Plain ints for the per-row walk (indexing numpy costs more than the walk itself).
+        self.buffer_list: list[tuple[int, int]] = [(self.body + int(o), int(n)) for o, n in self.buffers]
+        self.node_list: list[tuple[int, int]] = [(int(n), int(c)) for n, c in self.nodes]
+
 
 @dataclass
 class IPCLayout:

@@ -25,7 +25,6 @@ import collections
 import struct
 import threading
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import numpy as np
 import pyarrow as pa
@@ -95,57 +94,71 @@ class Node:
         self.children: list[Node] = []
 
 
-@dataclass
 class Walk:
     """One row's walk through a batch: what is missing, what to fetch, and where."""
 
-    file: int
-    batch: int
-    layout: BatchLayout
-    pages: PageCache
-    missing: set[tuple[int, int]]  # (buffer, page) not cached
-    fetch: list[tuple[int, int, Node]]  # (absolute offset, size, node whose .data it is)
+    __slots__ = ("file", "batch", "layout", "pages", "missing", "fetch", "buffers", "nodes", "dense_limit")
+
+    def __init__(self, file: int, batch: int, layout: BatchLayout, pages: PageCache):
+        self.file = file
+        self.batch = batch
+        self.layout = layout
+        self.pages = pages
+        self.missing: list[tuple[int, int]] = []  # (buffer, page) not cached
+        self.fetch: list[tuple[int, int, Node]] = []  # (absolute offset, size, node whose .data it is)
+        self.buffers = layout.buffer_list  # (absolute offset, length) per buffer
+        self.nodes = layout.node_list  # (length, null count) per field
+        self.dense_limit = DENSE_BYTES_PER_ROW * max(layout.rows, 1)
 
     def structural(self, buf: int, lo: int, hi: int) -> bytes | None:
         """Bytes [lo, hi) of buffer `buf` from cached pages, or None (pages noted missing)."""
         if hi <= lo:
             return b""
         first, last = lo // PAGE_BYTES, (hi - 1) // PAGE_BYTES
+        if first == last:  # the common case: one page
+            page = self.pages.get((self.file, self.batch, buf, first))
+            if page is None:
+                self.missing.append((buf, first))
+                return None
+            base = first * PAGE_BYTES
+            return page[lo - base : hi - base]
         parts = []
         for p in range(first, last + 1):
             page = self.pages.get((self.file, self.batch, buf, p))
             if page is None:
-                self.missing.add((buf, p))
+                self.missing.append((buf, p))
             else:
                 parts.append(page)
         if len(parts) != last - first + 1:
             return None
         base = first * PAGE_BYTES
-        joined = parts[0] if len(parts) == 1 else b"".join(parts)
-        return joined[lo - base : hi - base]
+        return b"".join(parts)[lo - base : hi - base]
 
     def buffer_length(self, buf: int) -> int:
-        return int(self.layout.buffers[buf, 1])
-
-    def dense(self, buf: int) -> bool:
-        return self.buffer_length(buf) <= DENSE_BYTES_PER_ROW * max(self.layout.rows, 1)
+        return self.buffers[buf][1]
 
     def values(self, node: Node, buf: int, lo: int, hi: int) -> bool:
         """Ask for bytes [lo, hi) of value buffer `buf` into node.data: from pages when the
         buffer is dense, else as a range read. False when pages are missing."""
-        if self.dense(buf):
+        start, length = self.buffers[buf]
+        if length <= self.dense_limit:
             data = self.structural(buf, lo, hi)
             if data is None:
                 return False
             node.data = data
         elif hi > lo:
-            self.fetch.append((self.layout.body + int(self.layout.buffers[buf, 0]) + lo, hi - lo, node))
+            self.fetch.append((start + lo, hi - lo, node))
         else:
             node.data = b""
         return True
 
 
+_NULL = np.zeros(1, dtype=bool)  # the validity of one null element (never written to)
+
+
 def _bits(raw: bytes, a: int, n: int) -> np.ndarray:
+    if n == 1:
+        return np.array([(raw[0] >> (a % 8)) & 1], dtype=bool)
     bits = np.unpackbits(np.frombuffer(raw, dtype=np.uint8), bitorder="little")
     return bits[a % 8 : a % 8 + n].astype(bool)
 
@@ -177,18 +190,20 @@ class Codec:
         return end
 
     def check(self, w: Walk, a: int, b: int) -> None:
-        length = int(w.layout.nodes[self.node, 0])
+        length = w.nodes[self.node][0]
         if not 0 <= a <= b <= length:
             raise CorruptRow(self.path, f"elements {a}..{b} are outside the field's {length} (corrupt offsets)")
 
     def validity(self, w: Walk, a: int, b: int) -> tuple[bool, np.ndarray | None]:
-        if not self.nbuffers or int(w.layout.nodes[self.node, 1]) == 0:
+        if not self.nbuffers or w.nodes[self.node][1] == 0:
             return True, None
-        if w.buffer_length(self.buffer) < -(-b // 8):
+        if w.buffers[self.buffer][1] < -(-b // 8):
             raise CorruptRow(self.path, "the validity bitmap is shorter than the field (corrupt)")
         raw = w.structural(self.buffer, a // 8, -(-b // 8))
         if raw is None:
             return False, None
+        if b - a == 1:
+            return True, None if (raw[0] >> (a % 8)) & 1 else _NULL
         bits = _bits(raw, a, b - a)
         return True, None if bits.all() else bits
 
@@ -227,7 +242,7 @@ class FixedCodec(Codec):
         ok, valid = self.validity(w, a, b)
         node = Node(b - a, valid)
         data = self.buffer + 1
-        if w.buffer_length(data) < b * self.width:
+        if w.buffers[data][1] < b * self.width:
             raise CorruptRow(self.path, "the values buffer is shorter than the field (corrupt)")
         if not w.values(node, data, a * self.width, b * self.width) or not ok:
             return None
@@ -268,15 +283,22 @@ class _OffsetsCodec(Codec):
         super().__init__(field, node, buffer, path)
         self.large = large
         self.dtype = np.dtype("<i8" if large else "<i4")
+        self.pair = struct.Struct("<2q" if large else "<2i")
 
-    def offsets(self, w: Walk, a: int, b: int, limit: int) -> tuple[bool, np.ndarray | None]:
-        """Offsets a..b (b - a + 1 of them), checked monotone and within [0, limit]."""
+    def offsets(self, w: Walk, a: int, b: int, limit: int) -> tuple[bool, "np.ndarray | tuple[int, int] | None"]:
+        """Offsets a..b (b - a + 1 of them), checked monotone and within [0, limit]; a
+        plain (start, end) pair for one element."""
         size = self.dtype.itemsize
-        if w.buffer_length(self.buffer + 1) < (b + 1) * size:
+        if w.buffers[self.buffer + 1][1] < (b + 1) * size:
             raise CorruptRow(self.path, "the offsets buffer is shorter than the field (corrupt)")
         raw = w.structural(self.buffer + 1, a * size, (b + 1) * size)
         if raw is None:
             return False, None
+        if b - a == 1:
+            lo, hi = self.pair.unpack(raw)
+            if not 0 <= lo <= hi <= limit:
+                raise CorruptRow(self.path, f"offsets {lo}..{hi} are not monotone within 0..{limit} (corrupt)")
+            return True, (lo, hi)
         offs = np.frombuffer(raw, dtype=self.dtype).astype(np.int64)
         if offs[0] < 0 or offs[-1] > limit or (len(offs) > 1 and (np.diff(offs) < 0).any()):
             raise CorruptRow(
@@ -285,7 +307,10 @@ class _OffsetsCodec(Codec):
         return True, offs
 
     def offsets_buffer(self, nodes: Sequence[Node]) -> pa.Buffer:
-        lengths = np.concatenate([n.lengths for n in nodes])  # type: ignore[misc]
+        if all(isinstance(n.lengths, int) for n in nodes):  # one element each: the common case
+            lengths = np.fromiter((n.lengths for n in nodes), dtype=np.int64, count=len(nodes))
+        else:
+            lengths = np.concatenate([np.atleast_1d(n.lengths) for n in nodes])  # type: ignore[misc]
         offs = np.zeros(len(lengths) + 1, dtype=np.int64)
         np.cumsum(lengths, out=offs[1:])
         if not self.large and offs[-1] > np.iinfo(np.int32).max:
@@ -299,12 +324,17 @@ class BinaryCodec(_OffsetsCodec):
     def walk(self, w: Walk, a: int, b: int) -> Node | None:
         self.check(w, a, b)
         ok, valid = self.validity(w, a, b)
-        ok2, offs = self.offsets(w, a, b, w.buffer_length(self.buffer + 2))
+        ok2, offs = self.offsets(w, a, b, w.buffers[self.buffer + 2][1])
         if not ok2:
             return None
         node = Node(b - a, valid)
-        node.lengths = np.diff(offs)
-        if not w.values(node, self.buffer + 2, int(offs[0]), int(offs[-1])) or not ok:
+        if isinstance(offs, tuple):
+            lo, hi = offs
+            node.lengths = hi - lo
+        else:
+            lo, hi = int(offs[0]), int(offs[-1])
+            node.lengths = np.diff(offs)
+        if not w.values(node, self.buffer + 2, lo, hi) or not ok:
             return None
         return node
 
@@ -322,14 +352,20 @@ class ListCodec(_OffsetsCodec):
         self.check(w, a, b)
         ok, valid = self.validity(w, a, b)
         child = self.children[0]
-        ok2, offs = self.offsets(w, a, b, int(w.layout.nodes[child.node, 0]))
+        ok2, offs = self.offsets(w, a, b, w.nodes[child.node][0])
         if not ok2:
             return None
-        sub = child.walk(w, int(offs[0]), int(offs[-1]))
+        if isinstance(offs, tuple):
+            lo, hi = offs
+            lengths: int | np.ndarray = hi - lo
+        else:
+            lo, hi = int(offs[0]), int(offs[-1])
+            lengths = np.diff(offs)
+        sub = child.walk(w, lo, hi)
         if sub is None or not ok:
             return None
         node = Node(b - a, valid)
-        node.lengths = np.diff(offs)
+        node.lengths = lengths
         node.children = [sub]
         return node
 

@@ -99,7 +99,7 @@ class LatencyInjected(Reader):
         seed: int = 0,
         overrides: dict[int, float] | None = None,
     ):
-        super().__init__(inner.name, inner.path, inner.executor)
+        super().__init__(inner.name, inner.path, inner.executor, inner.store)
         self.inner = inner
         self.format = inner.format  # type: ignore[misc]
         self.sampler = LatencySampler(distribution, median_ms, sigma, seed)
