@@ -237,6 +237,53 @@ class TableReader(Reader):
                 nbytes += s
         return RowItem(index, nodes, nbytes, names)  # type: ignore[arg-type]
 
+    def start_read(self, index: int, columns: Sequence[str], done) -> bool:
+        """A warm row (its batch's structural pages cached) without a coroutine: the walk
+        runs here and the range read's future calls `done`. Cold rows await `read`."""
+        if not self._codecs or not 0 <= index < self.num_rows:
+            return False
+        f, b, r = self._locate(index)
+        names, codecs = self._codecs_of(columns)
+        w = Walk(f, b, self.batch_layout(f, b), self.pages)
+        try:
+            nodes = [c.walk(w, r, r + 1) for c in codecs]
+        except CorruptRow as exc:
+            done(None, SampleError(f"{self._row_name(index, f, b, r)}, column {exc.column!r}: {exc}", index, self.path))
+            return True
+        if w.missing:
+            return False
+        item = RowItem(index, nodes, 16 * len(codecs), names)  # type: ignore[arg-type]
+        if not w.fetch:
+            done(item, None)
+            return True
+        fut = self.store.submit_ranges(self.files[f], [(o, s) for o, s, _ in w.fetch])
+        if fut is None:
+            return False
+        fetch = w.fetch
+
+        def landed(fut) -> None:
+            if fut.cancelled():
+                return
+            err = fut.exception()
+            if err is not None:
+                done(None, SampleError(f"{self._row_name(index, f, b, r)}: cannot read: {err}", index, self.path))
+                return
+            for (o, s, node), part in zip(fetch, fut.result()):
+                if len(part) != s:
+                    done(None, SampleError(
+                        f"{self._row_name(index, f, b, r)}: file is truncated ({len(part)} of {s} bytes at byte {o})",
+                        index, self.path))
+                    return
+                node.data = part
+                item.nbytes += s
+            done(item, None)
+
+        fut.add_done_callback(landed)
+        return True
+
+    def batch_layout(self, f: int, b: int):
+        return self.layouts[f].batches[b]
+
     async def _load_pages(self, f: int, b: int, missing: set[tuple[int, int]]) -> None:
         """Read the missing structural pages of batch `b` of file `f`, concurrently; reads
         already under way for another row are waited for, not repeated."""

@@ -169,6 +169,13 @@ class Reader(abc.ABC):
         """
         return item_nbytes
 
+    def start_read(self, index: int, columns: Sequence[str], done: Callable[[Any, BaseException | None], None]) -> bool:
+        """Optional fast path: begin the read of `index` without a coroutine and call
+        `done(item, error)` when it completes (possibly at once). False (the default)
+        means it was not started: await `read` instead. The scheduler uses it to avoid
+        a task per sample."""
+        return False
+
     def read_now(self, index: int) -> Any:
         """The item of `index` without awaiting: only for readers whose read does no I/O."""
         raise NotImplementedError(f"{type(self).__name__} reads do I/O: await read()")

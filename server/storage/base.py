@@ -19,9 +19,10 @@ Missing files raise FileNotFoundError; other failures OSError (or a subclass).
 from __future__ import annotations
 
 import abc
+import asyncio
 import threading
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 
 @dataclass(frozen=True)
@@ -32,44 +33,59 @@ class FileEntry:
     size: int
 
 
-@dataclass
 class StoreStats:
     """What a store has done: reads issued and bytes returned, and reads in flight.
 
-    Updated from the event loop (async reads) and from executor threads (open-time
-    reads), hence the lock; a read costs two lock round trips, far below its I/O.
+    Async reads are counted on the event loop's thread only, so their counters are
+    plain ints (a lock per read cost more than the rest of the bookkeeping); blocking
+    reads (open time, executor threads) are counted apart, under a lock.
     """
 
-    reads: int = 0
-    bytes: int = 0
-    in_flight: int = 0
-    max_in_flight: int = 0
-    errors: int = 0
-    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+    __slots__ = ("reads", "bytes", "in_flight", "max_in_flight", "errors", "_blocking", "_lock")
+
+    def __init__(self) -> None:
+        self.reads = self.bytes = self.in_flight = self.max_in_flight = self.errors = 0
+        self._blocking = [0, 0, 0, 0, 0]  # reads, bytes, in flight, max in flight, errors
+        self._lock = threading.Lock()
 
     def started(self, count: int = 1) -> None:
-        with self._lock:
-            self.reads += count
-            self.in_flight += count
-            if self.in_flight > self.max_in_flight:
-                self.max_in_flight = self.in_flight
+        """An async read began (event loop thread)."""
+        self.reads += count
+        self.in_flight += count
+        if self.in_flight > self.max_in_flight:
+            self.max_in_flight = self.in_flight
 
     def finished(self, nbytes: int, count: int = 1, ok: bool = True) -> None:
+        self.in_flight -= count
+        self.bytes += nbytes
+        if not ok:
+            self.errors += count
+
+    def blocking_started(self) -> None:
         with self._lock:
-            self.in_flight -= count
-            self.bytes += nbytes
+            b = self._blocking
+            b[0] += 1
+            b[2] += 1
+            b[3] = max(b[3], b[2])
+
+    def blocking_finished(self, nbytes: int, ok: bool) -> None:
+        with self._lock:
+            b = self._blocking
+            b[1] += nbytes
+            b[2] -= 1
             if not ok:
-                self.errors += count
+                b[4] += 1
 
     def snapshot(self) -> dict[str, int]:
         with self._lock:
-            return {
-                "reads": self.reads,
-                "bytes": self.bytes,
-                "in_flight": self.in_flight,
-                "max_in_flight": self.max_in_flight,
-                "errors": self.errors,
-            }
+            reads, nbytes, in_flight, peak, errors = self._blocking
+        return {
+            "reads": self.reads + reads,
+            "bytes": self.bytes + nbytes,
+            "in_flight": self.in_flight + in_flight,
+            "max_in_flight": max(self.max_in_flight, peak),
+            "errors": self.errors + errors,
+        }
 
 
 Range = tuple[int, int]  # (offset, size)
@@ -120,14 +136,14 @@ class Store(abc.ABC):
 
     def read_range(self, path: str, offset: int, size: int) -> bytes:
         """`size` bytes at `offset` (fewer at the end of the file), blocking."""
-        self.stats.started()
+        self.stats.blocking_started()
         ok, data = False, b""
         try:
             data = self._read_range(path, offset, size)
             ok = True
             return data
         finally:
-            self.stats.finished(len(data), ok=ok)
+            self.stats.blocking_finished(len(data), ok)
 
     def read_file(self, path: str) -> bytes:
         """The whole file, blocking (metadata files: state.json, indexes)."""
@@ -162,12 +178,16 @@ class Store(abc.ABC):
         finally:
             self.stats.finished(got, count=n, ok=ok)
 
+    def submit_ranges(self, path: str, ranges: Sequence[Range]) -> "asyncio.Future[list[bytes]] | None":
+        """`read_ranges` without a coroutine, for callers on the hot path that chain a
+        callback instead of awaiting: a future of the ranges' bytes, counted like
+        `read_ranges`; None when this store has no such path (then await read_ranges)."""
+        return None
+
     @abc.abstractmethod
     async def _read(self, path: str, offset: int, size: int) -> bytes: ...
 
     async def _read_ranges(self, path: str, ranges: Sequence[Range]) -> list[bytes]:
-        import asyncio
-
         return list(await asyncio.gather(*(self._read(path, o, s) for o, s in ranges)))
 
     def close(self) -> None:

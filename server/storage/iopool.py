@@ -33,8 +33,9 @@ class IOPool:
         self.name = name
         self._jobs: queue.SimpleQueue[tuple[asyncio.AbstractEventLoop, asyncio.Future[Any], Callable[..., Any], tuple] | None] = queue.SimpleQueue()
         self._threads: list[threading.Thread] = []
-        self._idle = 0
-        self._lock = threading.Lock()
+        #: Jobs submitted and not yet drained: counted on the loop's thread only, so
+        #: starting a thread when they outnumber the threads needs no lock.
+        self._busy = 0
         # Per loop: completed (future, result, error) and whether a drain is scheduled.
         self._done: collections.deque[tuple[asyncio.Future[Any], Any, BaseException | None]] = collections.deque()
         self._wake_pending = False
@@ -51,13 +52,9 @@ class IOPool:
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
         self._jobs.put((loop, fut, fn, args))
-        with self._lock:
-            if self._idle > 0:
-                self._idle -= 1  # that thread will take this job
-                return fut
-            if len(self._threads) < self.max_threads:
-                t = self._start_thread()
-                self._threads.append(t)
+        self._busy += 1
+        if self._busy > len(self._threads) and len(self._threads) < self.max_threads:
+            self._threads.append(self._start_thread())
         return fut
 
     def _start_thread(self) -> threading.Thread:
@@ -88,8 +85,6 @@ class IOPool:
                     loop.call_soon_threadsafe(self._drain)
                 except RuntimeError:  # the loop closed: nobody waits for this read any more
                     pass
-            with self._lock:
-                self._idle += 1
 
     def _drain(self) -> None:
         # Clear the flag before taking: a worker that appends after this point
@@ -99,6 +94,7 @@ class IOPool:
         loop = asyncio.get_running_loop()
         while done:
             fut, result, error = done.popleft()
+            self._busy -= 1
             if fut.get_loop() is not loop:  # a pool shared by two loops (tests): hand it over
                 fut.get_loop().call_soon_threadsafe(_settle, fut, result, error)
             else:

@@ -8,6 +8,7 @@ costs a round trip of its own) in a bounded cache, and marked POSIX_FADV_RANDOM:
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import os
 import stat
@@ -150,6 +151,21 @@ class LocalStore(Store):
         if len(ranges) == 1:
             return [await self.pool.submit(self._pread, path, *ranges[0])]
         return await super()._read_ranges(path, ranges)
+
+    def submit_ranges(self, path: str, ranges: Sequence[Range]) -> "asyncio.Future[list[bytes]]":
+        n = len(ranges)
+        stats = self.stats
+        stats.started(n)
+        fut = self.pool.submit(self._preads, path, ranges)
+
+        def counted(f: "asyncio.Future[list[bytes]]") -> None:
+            if f.cancelled() or f.exception() is not None:
+                stats.finished(0, n, ok=False)
+            else:
+                stats.finished(sum(len(p) for p in f.result()), n)
+
+        fut.add_done_callback(counted)
+        return fut
 
     def close(self) -> None:
         self.pool.close()
