@@ -240,3 +240,17 @@ def test_hf_save_to_disk_rows_are_read_by_range_too(tmp_path: Path) -> None:
     assert spent < 2 * 1000 + 16 * 1024, "two rows and one batch's offsets, not the batch"
     got = pa.ipc.open_stream(pa.py_buffer(reader.encode(items).arrow_ipc)).read_all().to_pylist()
     assert got == [ds[4321], ds[4322]]
+
+
+def test_a_table_truncated_while_served_fails_the_row_naming_the_file_not_the_process(tmp_path: Path) -> None:
+    from croupier.server.readers.base import SampleError
+
+    path = tmp_path / "t.arrow"
+    _write_text_table(path, 4000, batch_rows=100)
+    reader = open_dataset(path, store=LocalStore(io_threads=4))
+    assert asyncio.run(reader.read(10)).index == 10
+    with open(path, "r+b") as f:  # cut the file in half under the open reader
+        f.truncate(path.stat().st_size // 2)
+    with pytest.raises(SampleError, match=r"t\.arrow.*truncated"):
+        asyncio.run(reader.read(3990))
+    assert asyncio.run(reader.read(11)).index == 11  # rows still there are still served
