@@ -254,3 +254,32 @@ def test_a_table_truncated_while_served_fails_the_row_naming_the_file_not_the_pr
     with pytest.raises(SampleError, match=r"t\.arrow.*truncated"):
         asyncio.run(reader.read(3990))
     assert asyncio.run(reader.read(11)).index == 11  # rows still there are still served
+
+
+def test_a_stream_files_layout_is_cached_and_read_again_when_the_file_changes(tmp_path: Path) -> None:
+    """The stream format has no footer: its metadata costs a read per record batch, in
+    turn. A restarted server finds the layout in the cache instead; a changed file is re-read."""
+    path, cache = tmp_path / "s.arrows", tmp_path / "cache"
+    table = pa.table({"i": np.arange(500, dtype=np.int64), "s": [f"r{i}" for i in range(500)]})
+
+    def write(t: pa.Table) -> None:
+        with pa.ipc.new_stream(str(path), t.schema) as w:
+            for b in t.to_batches(max_chunksize=20):
+                w.write_batch(b)
+
+    def open_counted():
+        store = LocalStore(io_threads=2)
+        reader = open_dataset(path, store=store, cache_dir=str(cache))
+        return reader, store.stats.reads
+
+    write(table)
+    first, reads = open_counted()
+    assert reads >= 25, "one read per record batch the first time"
+    again, reads = open_counted()
+    assert reads == 0, "the cached layout needs no read"
+    assert asyncio.run(again.read(487)).index == 487
+    got = pa.ipc.open_stream(pa.py_buffer(again.encode([asyncio.run(again.read(487))]).arrow_ipc)).read_all()
+    assert got.to_pylist() == [{"i": 487, "s": "r487"}]
+    write(pa.concat_tables([table, table]))  # a new file under the same name
+    changed, reads = open_counted()
+    assert reads > 0 and len(changed) == 1000

@@ -86,12 +86,13 @@ class TableReader(Reader):
         columns: Sequence[str] | None = None,
         store: Store | None = None,
         page_cache_bytes: int = DEFAULT_PAGE_CACHE_BYTES,
+        cache_dir: str | None = None,
     ):
         super().__init__(name, path, store=store)
         if not files:
             raise DatasetError(f"{self.format} dataset {path}: no Arrow files found")
         self.files = list(files)
-        self.layouts: list[IPCLayout] = read_layouts(self.store, self.files)
+        self.layouts: list[IPCLayout] = read_layouts(self.store, self.files, cache_dir)
         first = self.layouts[0].schema
         for layout in self.layouts[1:]:
             if not layout.schema.equals(first, check_metadata=False):

@@ -17,8 +17,12 @@ metadata raises DatasetError naming the file, never reads outside it.
 from __future__ import annotations
 
 import concurrent.futures
+import hashlib
+import json
+import os
 import struct
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
@@ -269,6 +273,77 @@ def read_layout(store: Store, path: str) -> IPCLayout:
         raise DatasetError(f"cannot read Arrow IPC file {url}: {exc}") from exc
 
 
-def read_layouts(store: Store, paths: list[str]) -> list[IPCLayout]:
+#: Bumped when the cached layout format changes.
+LAYOUT_CACHE_VERSION = 1
+
+
+def _cache_path(store: Store, path: str, cache_dir: str | os.PathLike | None) -> tuple[Path, dict] | None:
+    """Where the layout of a stream-format file is cached, and the stamp it must match."""
+    url = store.url(path)
+    try:
+        if store.scheme == "file":
+            st = os.stat(path)
+            stamp = {"v": LAYOUT_CACHE_VERSION, "url": url, "size": st.st_size, "mtime_ns": st.st_mtime_ns}
+        else:
+            stamp = {"v": LAYOUT_CACHE_VERSION, "url": url, "size": store.size(path)}
+    except OSError:
+        return None
+    base = Path(cache_dir) if cache_dir is not None else Path.home() / ".cache" / "croupier" / "ipc-layout"
+    digest = hashlib.sha1(url.encode()).hexdigest()[:16]
+    return base / f"{url.rsplit('/', 1)[-1]}.{digest}.layout.npz", stamp
+
+
+def _load_cached(target: Path, stamp: dict, path: str) -> IPCLayout | None:
+    try:
+        with np.load(target, allow_pickle=False) as z:
+            if json.loads(bytes(z["stamp"]).decode()) != stamp:
+                return None
+            schema = pa.ipc.read_schema(pa.py_buffer(bytes(z["schema"])))
+            head, nodes, buffers = z["head"], z["nodes"], z["buffers"]
+            n_nodes, n_bufs = int(z["shape"][0]), int(z["shape"][1])
+            batches = [
+                BatchLayout(int(h[0]), int(h[1]), int(h[2]), nodes[k * n_nodes : (k + 1) * n_nodes].copy(),
+                            buffers[k * n_bufs : (k + 1) * n_bufs].copy(), bool(h[3]), int(h[4]), int(h[5]))
+                for k, h in enumerate(head)
+            ]
+            return IPCLayout(path, stamp["size"], schema, "stream", batches, bool(z["dictionaries"]))
+    except (OSError, ValueError, KeyError, pa.ArrowInvalid):
+        return None  # missing, stale or unreadable: read the file's metadata again
+
+
+def _save_cached(target: Path, stamp: dict, layout: IPCLayout) -> None:
+    batches = layout.batches
+    if not batches or any(len(b.nodes) != len(batches[0].nodes) or len(b.buffers) != len(batches[0].buffers) for b in batches):
+        return
+    head = np.array([[b.rows, b.body, b.body_length, b.compressed, b.message_offset, b.message_length] for b in batches],
+                    dtype=np.int64)
+    tmp = target.with_name(f"{target.name}.{os.getpid()}.tmp.npz")
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        np.savez(tmp, stamp=np.frombuffer(json.dumps(stamp).encode(), dtype=np.uint8),
+                 schema=np.frombuffer(layout.schema.serialize().to_pybytes(), dtype=np.uint8), head=head,
+                 nodes=np.concatenate([b.nodes for b in batches]), buffers=np.concatenate([b.buffers for b in batches]),
+                 shape=np.array([len(batches[0].nodes), len(batches[0].buffers)]), dictionaries=layout.has_dictionaries)
+        tmp.replace(target)
+    except OSError:
+        tmp.unlink(missing_ok=True)  # an unwritable cache only costs reading the metadata again
+
+
+def read_layout_cached(store: Store, path: str, cache_dir: str | os.PathLike | None = None) -> IPCLayout:
+    """`read_layout`, but a stream-format file's layout (one read per record batch, in
+    turn) is kept in a cache file stamped with the file's URL, size (and mtime for local
+    files), so a server restarted on slow storage opens it in one stat."""
+    where = _cache_path(store, path, cache_dir)
+    if where is not None:
+        cached = _load_cached(*where, path)
+        if cached is not None:
+            return cached
+    layout = read_layout(store, path)
+    if where is not None and layout.format == "stream":
+        _save_cached(*where, layout)
+    return layout
+
+
+def read_layouts(store: Store, paths: list[str], cache_dir: str | os.PathLike | None = None) -> list[IPCLayout]:
     """The layouts of several files, read concurrently (each file's own reads may be too)."""
-    return _parallel(lambda p: read_layout(store, p), paths)
+    return _parallel(lambda p: read_layout_cached(store, p, cache_dir), paths)

@@ -19,8 +19,8 @@ _Opener = Callable[[str, str, "str | None", Store], Reader]
 
 #: Format name -> opener(name, path in the store, cache_dir, store).
 OPENERS: dict[str, _Opener] = {
-    "arrow": lambda name, path, cache_dir, store: ArrowIPCReader(name, path, store=store),
-    "hf": lambda name, path, cache_dir, store: HFDiskReader(name, path, store=store),
+    "arrow": lambda name, path, cache_dir, store: ArrowIPCReader(name, path, store=store, cache_dir=cache_dir),
+    "hf": lambda name, path, cache_dir, store: HFDiskReader(name, path, store=store, cache_dir=cache_dir),
     "parquet": lambda name, path, cache_dir, store: ParquetReader(name, path, store=store),
     "imagefolder": lambda name, path, cache_dir, store: ImageFolderReader(name, path, store=store),
     "webdataset": lambda name, path, cache_dir, store: WebDatasetReader(name, path, cache_dir=cache_dir, store=store),
