@@ -38,28 +38,29 @@ class StoreStats:
 
     Async reads are counted on the event loop's thread only, so their counters are
     plain ints (a lock per read cost more than the rest of the bookkeeping); blocking
-    reads (open time, executor threads) are counted apart, under a lock.
+    reads (open time, executor threads) are counted apart, under a lock. The public
+    figures add both.
     """
 
-    __slots__ = ("reads", "bytes", "in_flight", "max_in_flight", "errors", "_blocking", "_lock")
+    __slots__ = ("_reads", "_bytes", "_in_flight", "_max", "_errors", "_blocking", "_lock")
 
     def __init__(self) -> None:
-        self.reads = self.bytes = self.in_flight = self.max_in_flight = self.errors = 0
+        self._reads = self._bytes = self._in_flight = self._max = self._errors = 0
         self._blocking = [0, 0, 0, 0, 0]  # reads, bytes, in flight, max in flight, errors
         self._lock = threading.Lock()
 
     def started(self, count: int = 1) -> None:
         """An async read began (event loop thread)."""
-        self.reads += count
-        self.in_flight += count
-        if self.in_flight > self.max_in_flight:
-            self.max_in_flight = self.in_flight
+        self._reads += count
+        self._in_flight += count
+        if self._in_flight > self._max:
+            self._max = self._in_flight
 
     def finished(self, nbytes: int, count: int = 1, ok: bool = True) -> None:
-        self.in_flight -= count
-        self.bytes += nbytes
+        self._in_flight -= count
+        self._bytes += nbytes
         if not ok:
-            self.errors += count
+            self._errors += count
 
     def blocking_started(self) -> None:
         with self._lock:
@@ -76,16 +77,35 @@ class StoreStats:
             if not ok:
                 b[4] += 1
 
+    @property
+    def reads(self) -> int:
+        return self._reads + self._blocking[0]
+
+    @property
+    def bytes(self) -> int:
+        return self._bytes + self._blocking[1]
+
+    @property
+    def in_flight(self) -> int:
+        return self._in_flight + self._blocking[2]
+
+    @property
+    def max_in_flight(self) -> int:
+        return max(self._max, self._blocking[3])
+
+    @property
+    def errors(self) -> int:
+        return self._errors + self._blocking[4]
+
     def snapshot(self) -> dict[str, int]:
         with self._lock:
-            reads, nbytes, in_flight, peak, errors = self._blocking
-        return {
-            "reads": self.reads + reads,
-            "bytes": self.bytes + nbytes,
-            "in_flight": self.in_flight + in_flight,
-            "max_in_flight": max(self.max_in_flight, peak),
-            "errors": self.errors + errors,
-        }
+            return {
+                "reads": self.reads,
+                "bytes": self.bytes,
+                "in_flight": self.in_flight,
+                "max_in_flight": self.max_in_flight,
+                "errors": self.errors,
+            }
 
 
 Range = tuple[int, int]  # (offset, size)
