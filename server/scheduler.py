@@ -141,9 +141,15 @@ class ReadBudget:
         self.available = limit
         self._waiters: collections.deque[asyncio.Future[None]] = collections.deque()
 
-    async def take(self) -> None:
+    def try_take(self) -> bool:
+        """Take a slot if one is free now, without awaiting (the hot path's common case)."""
         if self.available > 0 and not self._waiters:
             self.available -= 1
+            return True
+        return False
+
+    async def take(self) -> None:
+        if self.try_take():
             return
         fut = asyncio.get_running_loop().create_future()
         self._waiters.append(fut)
@@ -416,7 +422,7 @@ class Dealer:
                     while state["buffered"] > limits.max_buffered_bytes or state["in_flight"] >= limits.max_reads_per_stream:
                         moved.clear()
                         await moved.wait()
-                    if server_reads is not None:
+                    if server_reads is not None and not server_reads.try_take():
                         await server_reads.take()
                     state["in_flight"] += 1
                     observer.read_started()
