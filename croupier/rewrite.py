@@ -57,8 +57,6 @@ __all__ = ["MANIFEST", "RewriteError", "RewriteResult", "rewrite"]
 MANIFEST = "croupier-rewrite.json"
 PART_NAME = "part-{:05d}.arrow"
 _FILE_MAGIC = b"ARROW1"
-_STATE_FILE = "state.json"  # as server/readers/hf_disk.py reads a save_to_disk folder
-_DICT_FILE = "dataset_dict.json"
 _IMAGE_FORMATS = ("imagefolder", "webdataset")
 #: Rows per batch asked of Parquet's iter_batches (re-chunked to rows_per_batch after).
 _PARQUET_READ_ROWS = 8192
@@ -104,13 +102,6 @@ def _data_files(path: Path, suffixes: Sequence[str], what: str) -> list[Path]:
     if not path.is_file():
         raise RewriteError(f"{what} {path} does not exist")
     return [path]
-
-
-def _load_json(path: Path) -> Any:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError) as exc:
-        raise RewriteError(f"{path}: not a readable save_to_disk file: {exc}") from exc
 
 
 def _plain_schema(schema: pa.Schema) -> pa.Schema:
@@ -249,34 +240,14 @@ def _ipc_source(fmt: str, what: str, files: Sequence[Path], columns: Sequence[st
 
 def _hf_source(root: Path) -> _Source:
     """As server/readers/hf_disk.py serves it: state.json's files, its format's columns."""
-    if (root / _DICT_FILE).is_file():
-        splits = _load_json(root / _DICT_FILE).get("splits") or sorted(
-            d.name for d in root.iterdir() if (d / _STATE_FILE).is_file()
-        )
-        raise RewriteError(
-            f"{root} is a Hugging Face DatasetDict with splits {splits}; rewrite one split at a time by pointing at "
-            f"{root}/<split>, e.g. {root / (splits[0] if splits else 'train')}"
-        )
-    if not (root / _STATE_FILE).is_file():
-        raise RewriteError(f"{root} is not a Dataset.save_to_disk folder: it has no {_STATE_FILE}")
-    state = _load_json(root / _STATE_FILE)
-    if state.get("_indices_data_files"):
-        raise RewriteError(
-            f"{root}: state.json lists an indices mapping ({state['_indices_data_files']}); "
-            "load it, call Dataset.flatten_indices() and save_to_disk again"
-        )
-    names = [f.get("filename", "") for f in state.get("_data_files", [])]
-    bad = [n for n in names if not n or "/" in n or "\\" in n or n in (".", "..")]
-    if bad:
-        raise RewriteError(f"{root}: state.json names data files outside its folder: {bad}")
-    files = [root / n for n in names]
-    if not files:
-        raise RewriteError(f"{root}: state.json lists no data files")
-    missing = [str(f) for f in files if not f.is_file()]
-    if missing:
-        raise RewriteError(f"{root}: data files listed in state.json are missing: {missing}")
-    columns = None if state.get("_output_all_columns", False) else state.get("_format_columns")
-    return _ipc_source("hf", f"hf dataset {root}", files, columns)
+    from croupier.server.readers.hf_disk import hf_data_files
+    from croupier.server.storage import default_local_store
+
+    try:
+        files, columns = hf_data_files(default_local_store(), str(root))
+    except DatasetError as exc:
+        raise RewriteError(str(exc).replace("serve one split", "rewrite one split at a time")) from None
+    return _ipc_source("hf", f"hf dataset {root}", [Path(f) for f in files], columns)
 
 
 def _parquet_source(path: Path) -> _Source:

@@ -12,10 +12,11 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from stores import WrappedStore
 
 from croupier.server.readers import DatasetError, SampleError
 from croupier.server.readers.parquet import TAIL_BYTES, ParquetReader
-from croupier.server.storage import FileEntry, LocalStore, Range, Store
+from croupier.server.storage import LocalStore, Range
 
 ROWS_PER_GROUP = 200
 GROUPS = 50
@@ -198,39 +199,17 @@ def test_metadata_pointing_outside_the_file_is_a_sample_error_naming_group_and_c
         store.close()
 
 
-class GatedStore(Store):
+class GatedStore(WrappedStore):
     """A LocalStore whose async reads wait for `gate`, counting the calls in flight."""
 
     scheme = "file"
 
     def __init__(self, inner: LocalStore):
-        super().__init__()
-        self.inner = inner
+        super().__init__(inner)
         self.gate: asyncio.Event | None = None
         self.calls_in_flight = 0
         self.max_calls_in_flight = 0
         self.calls_done = 0
-
-    def url(self, path: str) -> str:
-        return self.inner.url(path)
-
-    def join(self, base: str, *parts: str) -> str:
-        return self.inner.join(base, *parts)
-
-    def size(self, path: str) -> int:
-        return self.inner.size(path)
-
-    def is_file(self, path: str) -> bool:
-        return self.inner.is_file(path)
-
-    def is_dir(self, path: str) -> bool:
-        return self.inner.is_dir(path)
-
-    def list_dir(self, path: str) -> tuple[list[str], list[FileEntry]]:
-        return self.inner.list_dir(path)
-
-    def _read_range(self, path: str, offset: int, size: int) -> bytes:
-        return self.inner._read_range(path, offset, size)
 
     async def _gated(self, call):
         assert self.gate is not None

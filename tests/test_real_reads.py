@@ -17,45 +17,24 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 import pytest
+from stores import WrappedStore
 
 from croupier.server.planner import EpochPlan
 from croupier.server.readers import open_dataset
 from croupier.server.scheduler import Dealer, FetchLimits, StreamRange
-from croupier.server.storage import LocalStore, Store
-from croupier.server.storage.base import FileEntry, Range
+from croupier.server.storage import LocalStore
+from croupier.server.storage.base import Range
 from readers_data import write_imagefolder
 
 
-class GatedStore(Store):
+class GatedStore(WrappedStore):
     """A LocalStore whose async reads wait on a gate: counts calls in flight at once."""
 
     def __init__(self, inner: LocalStore):
-        super().__init__()
-        self.inner = inner
+        super().__init__(inner)
         self.gate: asyncio.Event | None = None
         self.reached: asyncio.Event | None = None
         self.in_flight = self.max_in_flight = self.target = 0
-
-    def url(self, path: str) -> str:
-        return self.inner.url(path)
-
-    def join(self, base: str, *parts: str) -> str:
-        return self.inner.join(base, *parts)
-
-    def size(self, path: str) -> int:
-        return self.inner.size(path)
-
-    def is_file(self, path: str) -> bool:
-        return self.inner.is_file(path)
-
-    def is_dir(self, path: str) -> bool:
-        return self.inner.is_dir(path)
-
-    def list_dir(self, path: str) -> tuple[list[str], list[FileEntry]]:
-        return self.inner.list_dir(path)
-
-    def _read_range(self, path: str, offset: int, size: int) -> bytes:
-        return self.inner.read_range(path, offset, size)
 
     def arm(self, target: int) -> None:
         """From now on, reads wait at the gate until `open()`; `reached` fires at `target`."""

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import pyarrow as pa
 
 from ..storage import Store
-from .base import DatasetError, DatasetInfo, Reader, SampleError, TablePayload
+from .base import DatasetError, DatasetInfo, Reader, SampleError, TablePayload, dataset_files
 from .ipc_layout import IPCLayout, read_layouts
 from .ipc_rows import DEFAULT_PAGE_CACHE_BYTES, PAGE_BYTES, Codec, CorruptRow, Node, PageCache, Unsupported, Walk
 from .ipc_rows import buffer_count, make_codecs, node_count
@@ -42,20 +42,6 @@ ARROW_SUFFIXES = (".arrow", ".arrows", ".feather", ".ipc")
 WHOLE_BATCH_CACHE_BYTES = 256 << 20
 #: Rounds of structural page loads one row may need (one per level of list nesting).
 _MAX_ROUNDS = 16
-
-
-def dataset_files(store: Store, path: str, suffixes: Sequence[str], what: str) -> list[str]:
-    """The files of a dataset through `store`: `path` itself, or the files of folder
-    `path` whose suffix is one of `suffixes` (any case), sorted by name."""
-    if store.is_dir(path):
-        _, entries = store.list_dir(path)
-        files = [e.path for e in entries if e.path.lower().endswith(tuple(suffixes))]
-        if not files:
-            raise DatasetError(f"{what} {store.url(path)}: the folder holds no {'/'.join(suffixes)} files")
-        return files
-    if not store.is_file(path):
-        raise DatasetError(f"{what} {store.url(path)} does not exist")
-    return [path]
 
 
 @dataclass

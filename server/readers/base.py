@@ -20,7 +20,6 @@ import asyncio
 import concurrent.futures
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, ClassVar, Literal
 
 from ..storage import Store, default_local_store
@@ -222,14 +221,15 @@ class IndexReader(Reader):
         return self.read_now(index)
 
 
-def data_files(path: Path, suffixes: Sequence[str], what: str) -> list[Path]:
-    """The files of a dataset: `path` itself, or the files of folder `path` whose suffix
-    is one of `suffixes` (any case), sorted: global indices run through them in order."""
-    if path.is_dir():
-        files = sorted(f for f in path.iterdir() if f.suffix.lower() in suffixes and f.is_file())
+def dataset_files(store: Store, path: str, suffixes: Sequence[str], what: str) -> list[str]:
+    """The files of a dataset through `store`: `path` itself, or the files of folder
+    `path` whose suffix is one of `suffixes` (any case), sorted by name."""
+    if store.is_dir(path):
+        _, entries = store.list_dir(path)
+        files = [e.path for e in entries if e.path.lower().endswith(tuple(suffixes))]
         if not files:
-            raise DatasetError(f"{what} {path}: the folder holds no {'/'.join(suffixes)} files")
+            raise DatasetError(f"{what} {store.url(path)}: the folder holds no {'/'.join(suffixes)} files")
         return files
-    if not path.is_file():
-        raise DatasetError(f"{what} {path} does not exist")
+    if not store.is_file(path):
+        raise DatasetError(f"{what} {store.url(path)} does not exist")
     return [path]

@@ -52,31 +52,39 @@ def dataset_dict_error(store: Store, root: str) -> DatasetError:
     )
 
 
+def hf_data_files(store: Store, path: str) -> tuple[list[str], list[str] | None]:
+    """The Arrow files of a save_to_disk folder, in order, and the columns its saved
+    format keeps (None: all), as `load_from_disk` sees them; DatasetError naming the
+    folder for a DatasetDict, an indices mapping, or files missing or outside it."""
+    url = store.url(path)
+    if store.is_file(store.join(path, DICT_FILE)):
+        raise dataset_dict_error(store, path)
+    if not store.is_file(store.join(path, STATE_FILE)):
+        raise DatasetError(f"{url} is not a Dataset.save_to_disk folder: it has no {STATE_FILE}")
+    state = _load_json(store, store.join(path, STATE_FILE))
+    if state.get("_indices_data_files"):
+        raise DatasetError(
+            f"{url}: state.json lists an indices mapping ({state['_indices_data_files']}); "
+            "load it, call Dataset.flatten_indices() and save_to_disk again"
+        )
+    names = [f.get("filename", "") for f in state.get("_data_files", [])]
+    bad = [n for n in names if not n or "/" in n or "\\" in n or n in (".", "..")]
+    if bad:
+        raise DatasetError(f"{url}: state.json names data files outside its folder: {bad}")
+    if not names:
+        raise DatasetError(f"{url}: state.json lists no data files")
+    files = [store.join(path, n) for n in names]
+    missing = [store.url(f) for f in files if not store.is_file(f)]
+    if missing:
+        raise DatasetError(f"{url}: data files listed in state.json are missing: {missing}")
+    columns = None if state.get("_output_all_columns", False) else state.get("_format_columns")
+    return files, columns
+
+
 class HFDiskReader(TableReader):
     format = "hf"
 
     def __init__(self, name: str, path: str, store: Store | None = None, **kwargs: Any):
         store = store if store is not None else default_local_store()
-        url = store.url(path)
-        if store.is_file(store.join(path, DICT_FILE)):
-            raise dataset_dict_error(store, path)
-        if not store.is_file(store.join(path, STATE_FILE)):
-            raise DatasetError(f"{url} is not a Dataset.save_to_disk folder: it has no {STATE_FILE}")
-        state = _load_json(store, store.join(path, STATE_FILE))
-        if state.get("_indices_data_files"):
-            raise DatasetError(
-                f"{url}: state.json lists an indices mapping ({state['_indices_data_files']}); "
-                "load it, call Dataset.flatten_indices() and save_to_disk again"
-            )
-        names = [f.get("filename", "") for f in state.get("_data_files", [])]
-        bad = [n for n in names if not n or "/" in n or "\\" in n or n in (".", "..")]
-        if bad:
-            raise DatasetError(f"{url}: state.json names data files outside its folder: {bad}")
-        files = [store.join(path, n) for n in names]
-        missing = [store.url(f) for f in files if not store.is_file(f)]
-        if missing:
-            raise DatasetError(f"{url}: data files listed in state.json are missing: {missing}")
-        format_columns = state.get("_format_columns")
-        if state.get("_output_all_columns", False):
-            format_columns = None
-        super().__init__(name, path, files, columns=format_columns, store=store, **kwargs)
+        files, columns = hf_data_files(store, path)
+        super().__init__(name, path, files, columns=columns, store=store, **kwargs)

@@ -43,7 +43,6 @@ from __future__ import annotations
 import asyncio
 import bisect
 import functools
-import posixpath
 import re
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -52,7 +51,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from ..storage import Range, Store
-from .base import DatasetError, DatasetInfo, Reader, SampleError, TablePayload
+from .base import DatasetError, DatasetInfo, Reader, SampleError, TablePayload, dataset_files
 from .tables import checked_columns, table_info, to_ipc_payload
 
 DEFAULT_CACHE_BYTES = 256 << 20
@@ -148,18 +147,7 @@ class _SparseFile:
 def parquet_files(store: Store, path: str) -> list[str]:
     """The files of a Parquet dataset: `path` itself, or the .parquet files (any case)
     of folder `path`, sorted by name: global indices run through them in order."""
-    if store.is_dir(path):
-        _, entries = store.list_dir(path)
-        files = sorted(
-            (e.path for e in entries if posixpath.splitext(posixpath.basename(e.path))[1].lower() == ".parquet"),
-            key=posixpath.basename,
-        )
-        if not files:
-            raise DatasetError(f"Parquet dataset {store.url(path)}: the folder holds no .parquet files")
-        return files
-    if not store.is_file(path):
-        raise DatasetError(f"Parquet dataset {store.url(path)} does not exist")
-    return [path]
+    return dataset_files(store, path, (".parquet",), "Parquet dataset")
 
 
 class ParquetReader(Reader):

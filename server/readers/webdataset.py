@@ -29,8 +29,7 @@ from pathlib import Path
 
 from ..storage import Store, default_local_store
 from ..storage.fileobj import open_store_file
-from .arrow_ipc import dataset_files
-from .base import DatasetError, DatasetInfo, ImagePayload, Reader
+from .base import DatasetError, DatasetInfo, ImagePayload, Reader, dataset_files
 from .images import ImageItem, checked_format, image_payload, read_bytes
 
 INDEX_VERSION = 2
