@@ -64,9 +64,18 @@ class _FileCache:
             self._evict()
 
     def _evict(self) -> None:
-        if len(self._fds) <= self.limit:
+        """Close the least recently used unused files until at most `limit` are open
+        (files in use stay open: a pread may be running on them)."""
+        excess = len(self._fds) - self.limit
+        if excess <= 0:
             return
-        for path in [p for p, (_, users) in self._fds.items() if users == 0][: len(self._fds) - self.limit]:
+        victims = []
+        for path, (_, users) in self._fds.items():  # oldest first
+            if users == 0:
+                victims.append(path)
+                if len(victims) == excess:
+                    break
+        for path in victims:
             os.close(self._fds.pop(path)[0])
 
     def close(self) -> None:
