@@ -148,7 +148,7 @@ def test_the_io_pool_holds_that_many_blocking_preads_at_once_beside_a_small_cpu_
                 inside["now"] -= 1
             return super()._pread(path, offset, size)
 
-    store = SlowLocalStore(io_threads=n)
+    store = SlowLocalStore(io_threads=n, native_pool=False)
     cpu = concurrent.futures.ThreadPoolExecutor(4)
 
     async def go() -> list[bytes]:
@@ -164,6 +164,36 @@ def test_the_io_pool_holds_that_many_blocking_preads_at_once_beside_a_small_cpu_
     assert inside["max"] == n and store.pool.threads == n
     assert parts == [(bytes(range(256)) * 64)[64 * i : 64 * i + 64] for i in range(n)]
     store.close()
+
+
+def test_the_native_pool_holds_that_many_slow_preads_at_once(tmp_path: Path) -> None:
+    """Through the latency file system (a fixed 400 ms per read), 200 reads of 200 files sit
+    in the storage at once: one native thread each, and the loop never waits."""
+    from croupier.bench.latencyfs import check_available, mounted
+    from croupier.server.storage import native
+
+    if not native.available():
+        pytest.skip("the native read pool is not built (no C compiler at install time)")
+    reason = check_available()
+    if reason:
+        pytest.skip(f"latency file system unavailable: {reason}")
+    n = 200
+    src = tmp_path / "src"
+    src.mkdir()
+    for i in range(n):
+        (src / f"{i}.bin").write_bytes(bytes([i % 256]) * 100)
+    with mounted(src, median_ms=400, distribution="fixed") as fs:
+        store = LocalStore(io_threads=n)
+        assert store.native is not None
+
+        async def go() -> list[bytes]:
+            return await asyncio.gather(*(store.read(f"{fs.path}/{i}.bin", 0, -1) for i in range(n)))
+
+        parts = asyncio.run(go())
+        assert parts == [bytes([i % 256]) * 100 for i in range(n)]
+        assert fs.stats()["max_in_flight"] >= n and store.stats.max_in_flight == n
+        assert store.threads == n
+        store.close()
 
 
 def test_a_row_of_a_large_table_costs_about_its_own_bytes(tmp_path: Path) -> None:

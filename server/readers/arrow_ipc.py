@@ -78,6 +78,8 @@ class TableReader(Reader):
         if not files:
             raise DatasetError(f"{self.format} dataset {path}: no Arrow files found")
         self.files = list(files)
+        for f in self.files:
+            self.store.pin(f)  # read row by row for the dataset's life: keep it open
         self.layouts: list[IPCLayout] = read_layouts(self.store, self.files, cache_dir)
         first = self.layouts[0].schema
         for layout in self.layouts[1:]:

@@ -198,6 +198,10 @@ class Store(abc.ABC):
         finally:
             self.stats.finished(got, count=n, ok=ok)
 
+    def pin(self, path: str) -> None:
+        """A hint that `path` will be read often (a table's file): keep it open if that
+        helps. Blocking; a no-op by default."""
+
     def submit_ranges(self, path: str, ranges: Sequence[Range]) -> "asyncio.Future[list[bytes]] | None":
         """`read_ranges` without a coroutine, for callers on the hot path that chain a
         callback instead of awaiting: a future of the ranges' bytes, counted like

@@ -1,9 +1,12 @@
-"""Local and network file systems (ext4, NFS, Lustre, FUSE mounts): preads on an I/O pool.
+"""Local and network file systems (ext4, NFS, Lustre, FUSE mounts): preads on a pool.
 
-Each async read is one `os.pread` on a thread of `IOPool`, so as many reads are in
-flight as the server's read limit allows. Open files are kept (an open on NFS or FUSE
-costs a round trip of its own) in a bounded cache, and marked POSIX_FADV_RANDOM: a
-1 KB row must not pull 128 KB of kernel read-ahead over the network.
+Each async read is one pread on a thread that only waits on storage, so as many reads
+are in flight as the server's read limit allows: the native pool (native.py, threads
+that never take the GIL) when it is built, else the Python one (iopool.py). Files a
+dataset reads row by row are opened once and kept (`pin`: an open on NFS or FUSE costs
+a round trip of its own), marked POSIX_FADV_RANDOM so that a 1 KB row does not pull
+128 KB of kernel read-ahead over the network; other files (images) are opened, read and
+closed by the thread that reads them.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import threading
 from collections.abc import Sequence
 
 from .base import FileEntry, Range, Store
+from . import native
 from .iopool import IOPool
 
 #: Open files kept at once; older unused ones are closed (stays well under ulimit -n).
@@ -103,10 +107,36 @@ def _pread_all(fd: int, offset: int, size: int) -> bytes:
 class LocalStore(Store):
     scheme = "file"
 
-    def __init__(self, io_threads: int = 256, max_open_files: int = DEFAULT_MAX_OPEN_FILES, pool: IOPool | None = None):
+    def __init__(
+        self,
+        io_threads: int = 256,
+        max_open_files: int = DEFAULT_MAX_OPEN_FILES,
+        pool: IOPool | None = None,
+        native_pool: bool | None = None,
+    ):
         super().__init__()
+        use_native = native.available() if native_pool is None else native_pool
+        #: The native pool when built (and not turned off), else None.
+        self.native = native.NativeReadPool(io_threads) if use_native and pool is None else None
         self.pool = pool or IOPool(io_threads)
         self._files = _FileCache(max_open_files)
+        self._pinned: dict[str, int] = {}
+        self._pin_lock = threading.Lock()
+
+    @property
+    def threads(self) -> int:
+        """Threads started to wait on reads."""
+        return self.native.threads if self.native is not None else self.pool.threads
+
+    def pin(self, path: str) -> None:
+        """Keep `path` open for the store's life (blocking: call at dataset open time)."""
+        with self._pin_lock:
+            if path in self._pinned:
+                return
+            fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+            if hasattr(os, "posix_fadvise"):
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+            self._pinned[path] = fd
 
     def url(self, path: str) -> str:
         return path
@@ -137,6 +167,9 @@ class LocalStore(Store):
         return sorted(dirs), sorted(files, key=lambda f: f.path)
 
     def _pread(self, path: str, offset: int, size: int) -> bytes:
+        fd = self._pinned.get(path)
+        if fd is not None:
+            return _pread_all(fd, offset, size)
         fd = self._files.acquire(path)
         try:
             return _pread_all(fd, offset, size)
@@ -144,6 +177,9 @@ class LocalStore(Store):
             self._files.release(path)
 
     def _preads(self, path: str, ranges: Sequence[Range]) -> list[bytes]:
+        fd = self._pinned.get(path)
+        if fd is not None:
+            return [_pread_all(fd, o, s) for o, s in ranges]
         fd = self._files.acquire(path)
         try:
             return [_pread_all(fd, o, s) for o, s in ranges]
@@ -153,10 +189,21 @@ class LocalStore(Store):
     def _read_range(self, path: str, offset: int, size: int) -> bytes:
         return self._pread(path, offset, size)
 
+    def _native_read(self, path: str, offset: int, size: int) -> "asyncio.Future[bytes]":
+        assert self.native is not None
+        fd = self._pinned.get(path)
+        if fd is not None:
+            return self.native.pread(fd, offset, size)
+        return self.native.pread_path(path, offset, size)
+
     async def _read(self, path: str, offset: int, size: int) -> bytes:
+        if self.native is not None:
+            return await self._native_read(path, offset, size)
         return await self.pool.submit(self._pread, path, offset, size)
 
     async def _read_ranges(self, path: str, ranges: Sequence[Range]) -> list[bytes]:
+        if self.native is not None:
+            return list(await asyncio.gather(*(self._native_read(path, o, s) for o, s in ranges)))
         if len(ranges) == 1:
             return [await self.pool.submit(self._pread, path, *ranges[0])]
         return await super()._read_ranges(path, ranges)
@@ -165,7 +212,25 @@ class LocalStore(Store):
         n = len(ranges)
         stats = self.stats
         stats.started(n)
-        fut = self.pool.submit(self._preads, path, ranges)
+        if self.native is None:
+            fut = self.pool.submit(self._preads, path, ranges)
+        elif n == 1:
+            one = self._native_read(path, *ranges[0])
+            fut = asyncio.get_running_loop().create_future()
+
+            def single(f: "asyncio.Future[bytes]") -> None:
+                if fut.cancelled():
+                    return
+                if f.cancelled():
+                    fut.cancel()
+                elif f.exception() is not None:
+                    fut.set_exception(f.exception())  # type: ignore[arg-type]
+                else:
+                    fut.set_result([f.result()])
+
+            one.add_done_callback(single)
+        else:
+            fut = asyncio.gather(*(self._native_read(path, o, s) for o, s in ranges))  # type: ignore[assignment]
 
         def counted(f: "asyncio.Future[list[bytes]]") -> None:
             if f.cancelled() or f.exception() is not None:
@@ -177,8 +242,14 @@ class LocalStore(Store):
         return fut
 
     def close(self) -> None:
+        if self.native is not None:
+            self.native.close()
         self.pool.close()
         self._files.close()
+        with self._pin_lock:
+            for fd in self._pinned.values():
+                os.close(fd)
+            self._pinned.clear()
 
 
 _default: LocalStore | None = None
