@@ -415,6 +415,8 @@ class TableReader(Reader):
         return pa.concat_tables(tables).replace_schema_metadata(self.schema.metadata)
 
     def close(self) -> None:
+        for f in self.files:
+            self.store.unpin(f)
         self.pages.clear()
         self._whole.clear()
         self._whole_bytes = 0

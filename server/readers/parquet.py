@@ -157,6 +157,8 @@ class ParquetReader(Reader):
         super().__init__(name, path, store=store)
         #: The dataset's files, as paths of `store`, in global row order.
         self.paths: list[str] = parquet_files(self.store, path)
+        for f in self.paths:
+            self.store.pin(f)  # row groups are read from it for the dataset's life: keep it open
         self.urls: list[str] = [self.store.url(p) for p in self.paths]
         #: Bytes in each file, and where its column data ends (its footer begins).
         self.sizes: list[int] = []
@@ -376,5 +378,7 @@ class ParquetReader(Reader):
         return to_ipc_payload(rows.select(columns))
 
     def close(self) -> None:
+        for f in self.paths:
+            self.store.unpin(f)
         self._cache.clear()
         self._cached_bytes = 0

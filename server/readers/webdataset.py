@@ -190,6 +190,8 @@ class WebDatasetReader(Reader):
     def __init__(self, name: str, path: str, cache_dir: str | os.PathLike | None = None, store: Store | None = None):
         super().__init__(name, path, store=store)
         self.shards = dataset_files(self.store, path, (".tar",), "WebDataset")
+        for shard in self.shards:
+            self.store.pin(shard)  # read at member offsets for the dataset's life: keep it open
         # Per sample: (shard number, member name, data offset, size, label)
         self.samples: list[tuple[int, str, int, int, int]] = []
         for sno, shard in enumerate(self.shards):
@@ -225,3 +227,7 @@ class WebDatasetReader(Reader):
 
     def encode(self, items: Sequence[ImageItem], columns: Sequence[str] = (), decode_images: bool = False) -> ImagePayload:
         return image_payload(items, decode_images)
+
+    def close(self) -> None:
+        for f in self.shards:
+            self.store.unpin(f)

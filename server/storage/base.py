@@ -202,6 +202,9 @@ class Store(abc.ABC):
         """A hint that `path` will be read often (a table's file): keep it open if that
         helps. Blocking; a no-op by default."""
 
+    def unpin(self, path: str) -> None:
+        """Undo one `pin` of `path` (the dataset is closed)."""
+
     def submit_ranges(self, path: str, ranges: Sequence[Range]) -> "asyncio.Future[list[bytes]] | None":
         """`read_ranges` without a coroutine, for callers on the hot path that chain a
         callback instead of awaiting: a future of the ranges' bytes, counted like

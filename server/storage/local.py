@@ -104,6 +104,20 @@ def _pread_all(fd: int, offset: int, size: int) -> bytes:
     return b"".join(parts)
 
 
+def _raise_open_files_limit() -> None:
+    """Datasets keep their files open: lift the soft limit on open files to the hard one
+    (servers commonly do; 1,024 is a common soft default)."""
+    try:
+        import resource
+
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        want = hard if hard != resource.RLIM_INFINITY else 1 << 20
+        if soft != resource.RLIM_INFINITY and soft < want:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+    except (ImportError, ValueError, OSError):
+        pass
+
+
 class LocalStore(Store):
     scheme = "file"
 
@@ -120,8 +134,10 @@ class LocalStore(Store):
         self.native = native.NativeReadPool(io_threads) if use_native and pool is None else None
         self.pool = pool or IOPool(io_threads)
         self._files = _FileCache(max_open_files)
-        self._pinned: dict[str, int] = {}
+        self._pinned: dict[str, int] = {}  # path -> fd, read without a lock on the hot path
+        self._pins: dict[str, int] = {}  # path -> datasets that pinned it
         self._pin_lock = threading.Lock()
+        _raise_open_files_limit()
 
     @property
     def threads(self) -> int:
@@ -129,14 +145,26 @@ class LocalStore(Store):
         return self.native.threads if self.native is not None else self.pool.threads
 
     def pin(self, path: str) -> None:
-        """Keep `path` open for the store's life (blocking: call at dataset open time)."""
+        """Keep `path` open until as many `unpin`s (blocking: call at dataset open time)."""
         with self._pin_lock:
             if path in self._pinned:
+                self._pins[path] += 1
                 return
             fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
             if hasattr(os, "posix_fadvise"):
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
             self._pinned[path] = fd
+            self._pins[path] = 1
+
+    def unpin(self, path: str) -> None:
+        """The dataset that pinned `path` is closed (its reads are over)."""
+        with self._pin_lock:
+            if path not in self._pins:
+                return
+            self._pins[path] -= 1
+            if self._pins[path] == 0:
+                del self._pins[path]
+                os.close(self._pinned.pop(path))
 
     def url(self, path: str) -> str:
         return path
@@ -250,6 +278,7 @@ class LocalStore(Store):
             for fd in self._pinned.values():
                 os.close(fd)
             self._pinned.clear()
+            self._pins.clear()
 
 
 _default: LocalStore | None = None
