@@ -113,3 +113,88 @@ def test_the_cpu_ceiling_is_the_better_of_the_no_wait_runs() -> None:
                _result(CROUPIER, NO_WAIT, 60_000)]
     report.finish(results)
     assert results[1]["ceiling_cpu"] == 60_000 and results[1]["fraction_of_ceiling"] == pytest.approx(40 / 60)
+
+
+def test_the_real_suites_smoke_run_reads_through_fuse_and_s3(tmp_path: Path) -> None:
+    """`croupier bench --suite real --quick`: every kind of system through the latency FS and the
+    loopback S3 server, the storage's own counters in every case, the report's sections."""
+    from croupier.bench import latencyfs
+
+    reason = latencyfs.check_available()
+    if reason:
+        pytest.skip(f"latencyfs is unusable here: {reason}")
+    out = tmp_path / "results"
+    assert main(["bench", "--suite", "real", "--quick", "--out", str(out), "--data-dir", str(tmp_path / "data")]) == 0
+    rep = json.loads((out / "real-quick.json").read_text())
+    failed = [e for e in rep["errors"] if "the code changed during the run" not in e]  # a shared checkout may move
+    assert failed == [] and rep["skipped"] == []
+    seen = {(c["case"]["dataset"], c["condition"]["key"], c["case"]["system"]["kind"], c["role"]) for c in rep["cases"]}
+    assert seen == {("text", "local", "croupier", "cpu ceiling"),
+                    ("text", "fuse", "croupier", "measure"), ("text", "fuse", "hf", "measure"),
+                    ("imagefolder", "fuse", "dataloader", "measure"), ("shards", "fuse", "webdataset", "measure"),
+                    ("text", "s3", "croupier", "measure"), ("text", "s3", "dataloader", "measure"),
+                    ("text", "s3", "hf", "measure"), ("imagefolder", "s3", "dataloader", "measure")}
+    assert set(rep["conditions"]) == {"page cache (local files)", "latency FS 5 ms", "S3 20 ms"}
+    assert "evict" in rep["conditions"]["latency FS 5 ms"]["eviction"]
+    for c in rep["cases"]:
+        assert c["samples"] > 0 and c["samples_per_s"] > 0 and c["first_batch_s"] > 0 and c["cpu_s_per_1k"] > 0
+        assert c["trainer_peak_rss_mb"] > 0
+        s = c["storage"]
+        if c["condition"]["key"] == "local":
+            assert s == {"counted": False}
+            continue
+        # counted at the storage: every system reads something there, at most as much at once as it can
+        assert s["counted"] and s["requests"] > 0 and s["bytes"] > 0 and s["max_in_flight"] >= 1
+        assert s["reads_per_sample"] > 0 and s["bytes_per_sample"] > 0 and s["polls"] >= 2
+        assert s["cpu_s_per_1k"] is not None and s["c_over_l_reads_per_s"] > 0
+        if c["case"]["system"]["kind"] == "croupier":
+            assert c["server_peak_rss_mb"] > 0 and c["server_cpu_s_per_1k"] > 0
+            assert c["extra"]["croupier_metrics"]["croupier_storage_reads"] > 0
+            assert c["extra"]["server_threads_cpu_s"]
+            assert c["ceiling_cpu"] > 0 and c["fraction_of_ceiling"] > 0 and c["ceiling_binding"] in ("C/L", "CPU")
+    dl = next(c for c in rep["cases"] if c["case"]["dataset"] == "text" and c["condition"]["key"] == "s3"
+              and c["case"]["system"]["kind"] == "dataloader")
+    assert dl["storage"]["bytes_per_sample"] > 100_000  # one GET of the whole record batch per row
+    assert rep["revision"] and rep["load"]["start"] and rep["load"]["end"] and rep["decode_rates"]["imagefolder"] > 0
+    assert any(t["target"].startswith("text, S3") for t in rep["targets"])
+    md = (out / "real-quick.md").read_text()
+    for text in ("## Storage", "## Targets", "## At a glance", "## text rows", "## CPU ceiling", "reads / sample",
+                 "| latency FS 5 ms | croupier unordered |", "| S3 20 ms | DataLoader + DistributedSampler, 2 workers |",
+                 "Load average", "revision"):
+        assert text in md, text
+    for name in ("throughput", "amplification"):
+        assert (out / f"real-quick-{name}.png").stat().st_size > 1000
+
+
+def test_the_real_suite_plans_every_system_on_both_slow_storages() -> None:
+    from croupier.bench.real import CROUPIER as C, real
+
+    suite = real()
+    assert suite.data.text_rows >= 1_000_000 and suite.data.images >= 20_000 and suite.world == 2 and suite.batch == 64
+    plan = suite.plan()
+    names = [cond.name for cond, _ in plan]
+    assert names == ["page cache (local files)", "latency FS 5 ms", "latency FS 5 ms, cache dropped every 0.5 s",
+                     "S3 20 ms", "page cache (local files)"]
+    for cond, group in plan[1:4:2]:
+        kinds = {(c.dataset, c.system.label) for c in group if c.role == "measure"}
+        for ds in ("text", "imagefolder"):
+            assert {(ds, f"DataLoader + DistributedSampler, {w} workers") for w in (0, 2, 8)} <= kinds
+            assert (ds, C.label) in kinds and (ds, "croupier ordered") in kinds
+        assert ("text", "HF datasets .shuffle() + DataLoader, 2 workers") in kinds
+        assert ("shards", "WebDataset, 2 workers") in kinds
+    assert sum(c.role == "profile" for c in suite.cases()) == 1
+
+
+def test_storage_deltas_are_taken_over_the_steady_window() -> None:
+    from croupier.bench.real import Poller, steady_window
+
+    # Two ranks whose loaders were built at t0 = 100 and 100.5 (perf_counter), 10 batches of 8 each.
+    ranks = [{"t0": 100.0, "arrivals_s": [1.0 + 0.1 * k for k in range(10)], "batch_samples": [8] * 10},
+             {"t0": 100.5, "arrivals_s": [1.0 + 0.1 * k for k in range(10)], "batch_samples": [8] * 10}]
+    a, b, samples = steady_window(ranks, warmup=2)
+    assert a == pytest.approx(101.1) and b == pytest.approx(102.4)
+    assert samples == 8 * 8 + 8 * 10  # rank 0: its batches after the window opens (2..9); rank 1: all ten
+    p = Poller(lambda: None)
+    p.points = [(100.0, 0, 0), (101.0, 1000, 4096_000), (103.0, 3000, 12_288_000)]
+    reads, nbytes = p.delta(a, b)
+    assert reads == pytest.approx(1000 * (102.4 - 101.1)) and nbytes == pytest.approx(4096 * reads)

@@ -3,6 +3,8 @@
     croupier bench                  # the full suite (~15-20 min on 2 cores)
     croupier bench --suite first    # the data plane's first benchmark -> first.md / first.json
     croupier bench --quick          # a one-minute smoke run on tiny data
+    croupier bench --suite real     # really slow storage: a latency FUSE mount and a loopback S3 server
+    croupier bench --suite real --quick   # its smoke run (seconds, tiny data) -> real-quick.md / .json
 
 Writes `<suite>.json`, `<suite>.md` and `<suite>-*.png` under `--out`
 (default benchmarks/results), printing progress as it goes.
@@ -22,7 +24,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help="benchmark croupier against DataLoader, HF datasets, WebDataset",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--suite", choices=sorted(SUITES), default="full", help="what to run (default full)")
-    p.add_argument("--quick", action="store_true", help="same as --suite quick")
+    p.add_argument("--quick", action="store_true",
+                   help="same as --suite quick; with --suite real, its smoke run (--suite real-quick)")
     p.add_argument("--out", default="benchmarks/results", help="folder for the JSON, Markdown and PNGs")
     p.add_argument("--data-dir", help="where the generated data lives (default ~/.cache/croupier/bench-data/...)")
     p.add_argument("--only", default="", help="run only the cases whose 'dataset | storage | system' contains this "
@@ -41,10 +44,18 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from .run import run_suite
     from .suites import SUITES
 
-    name = "quick" if args.quick else args.suite
+    name = args.suite
+    if args.quick:
+        name = "real-quick" if args.suite.startswith("real") else "quick"
     suite = SUITES[name]()
     data_dir = Path(args.data_dir) if args.data_dir else default_data_dir(name)
     command = " ".join(["croupier bench", *map(shlex.quote, sys.argv[2:])]) if sys.argv[1:2] == ["bench"] else ""
+    from .real import RealSuite, run_real
+
+    if isinstance(suite, RealSuite):
+        report = run_real(suite, Path(args.out), data_dir, command or f"croupier bench --suite {name}",
+                          say=lambda s: print(s, flush=True), only=args.only)
+        return 1 if not report["cases"] else 0
     report = run_suite(suite, Path(args.out), data_dir, command or f"croupier bench --suite {name}",
                        say=lambda s: print(s, flush=True), only=args.only)
     return 1 if not report["cases"] else 0

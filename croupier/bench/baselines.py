@@ -138,19 +138,24 @@ def hf_shuffled(path: str, *, rank: int, world: int, batch: int, workers: int, l
     import datasets
     from datasets.distributed import split_dataset_by_node
 
-    ds: Any = datasets.load_from_disk(path).shuffle(seed=seed)
+    ds: Any = datasets.load_from_disk(path)
+    try:
+        ds = ds.shuffle(seed=seed)  # writes its indices mapping beside the data, as a cache file
+    except OSError:  # a read-only folder (a network mount): what users do there, the mapping in memory
+        ds = ds.shuffle(seed=seed, keep_in_memory=True)
     ds = split_dataset_by_node(ds, rank=rank, world_size=world).with_format("torch")
     if latency.median_ms:
         ds = LatencyDataset(ds, latency, rank)
     return _loader(ds, batch, workers)
 
 
-def webdataset(path: str, *, rank: int, world: int, batch: int, workers: int, latency: Latency,
+def webdataset(path: str | list[str], *, rank: int, world: int, batch: int, workers: int, latency: Latency,
                buffer: int = 1000, seed: int = 0) -> Iterable[dict[str, Any]]:
-    """WebDataset over the tar shards: shard shuffle, then a `buffer`-sample shuffle buffer."""
+    """WebDataset over the tar shards (a folder's `*.tar`, or a list of URLs): shard shuffle,
+    then a `buffer`-sample shuffle buffer."""
     import webdataset as wds
 
-    shards = sorted(str(p) for p in Path(path).glob("*.tar"))
+    shards = sorted(str(p) for p in Path(path).glob("*.tar")) if isinstance(path, (str, os.PathLike)) else list(path)
     state: dict[str, Any] = {}
 
     def wait(sample: dict) -> dict:

@@ -143,10 +143,11 @@ class CaseResult:
 class ServerProcess:
     """`croupier serve` on 127.0.0.1, a free port, in a subprocess."""
 
-    def __init__(self, datasets: list[str], args: list[str], log: Path):
+    def __init__(self, datasets: list[str], args: list[str], log: Path,
+                 launcher: tuple[str, ...] = ("-m", "croupier.cli")):
         self.ready = Path(tempfile.mkstemp(prefix="croupier-bench-ready-", suffix=".json")[1])
         self.ready.unlink()
-        cmd = [sys.executable, "-m", "croupier.cli", "serve", *datasets, "--host", "127.0.0.1", "--port", "0",
+        cmd = [sys.executable, *launcher, "serve", *datasets, "--host", "127.0.0.1", "--port", "0",
                "--ready-file", str(self.ready), "--log-level", "WARNING", *args]
         self._log = open(log, "a")
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT)

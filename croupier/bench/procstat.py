@@ -100,3 +100,44 @@ def load_into_page_cache(paths: Iterable[str | os.PathLike], block: int = 1 << 2
             while chunk := fh.read(block):
                 total += len(chunk)
     return total
+
+
+def thread_cpu(pid: int | str = "self") -> dict[int, tuple[str, float, float]]:
+    """Per live thread of `pid`: (name, user CPU seconds, system CPU seconds)."""
+    out: dict[int, tuple[str, float, float]] = {}
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            raw = (task / "stat").read_text()
+        except OSError:
+            continue  # ended meanwhile
+        name = raw[raw.index("(") + 1:raw.rindex(")")]
+        fields = raw.rsplit(")", 1)[1].split()
+        out[int(task.name)] = (name, int(fields[11]) / _TICK, int(fields[12]) / _TICK)
+    return out
+
+
+def thread_group(name: str) -> str:
+    """A thread's name without its number: croupier-read-17 -> croupier-read."""
+    import re
+
+    return re.sub(r"[-_ ]?\d+$", "", name) or name
+
+
+def thread_cpu_delta(before: dict[int, tuple[str, float, float]], after: dict[int, tuple[str, float, float]],
+                     total_s: float | None = None) -> dict[str, dict[str, float]]:
+    """CPU seconds by thread group between two `thread_cpu` snapshots ({group: {"user", "system",
+    "threads"}}); with the process's total CPU over the same time, what threads that ended
+    meanwhile used (after their last reading) goes under "(unattributed ...)"."""
+    groups: dict[str, dict[str, float]] = {}
+    for tid, (name, user, system) in sorted(after.items()):
+        _, u0, s0 = before.get(tid, (name, 0.0, 0.0))
+        g = groups.setdefault(thread_group(name), {"user": 0.0, "system": 0.0, "threads": 0})
+        g["user"] += user - u0
+        g["system"] += system - s0
+        g["threads"] += 1
+    if total_s is not None:
+        rest = total_s - sum(g["user"] + g["system"] for g in groups.values())
+        if rest > 0.01:
+            groups["(unattributed: threads that ended between readings; user + system)"] = {
+                "user": rest, "system": 0.0, "threads": 0}
+    return groups

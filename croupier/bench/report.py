@@ -74,8 +74,8 @@ def _best_dl(results: list[dict[str, Any]], dataset: str, storage: str) -> dict[
 
 
 def _target(name: str, measured: float | None, want: float, detail: str) -> dict[str, Any]:
-    return {"target": name, "measured": measured, "want": want,
-            "met": measured is not None and measured >= want, "detail": detail}
+    return {"target": name, "measured": None if measured is None else float(measured), "want": want,
+            "met": bool(measured is not None and measured >= want), "detail": detail}  # numpy bools are no JSON
 
 
 def check_targets(kind: str, results: list[dict[str, Any]]) -> list[dict[str, Any]]:

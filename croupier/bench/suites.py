@@ -4,6 +4,8 @@
 * first: the data plane's first benchmark (text, 5 ms and page cache, batch 64, 2 ranks:
   croupier unordered and ordered vs DataLoader + DistributedSampler with 2 workers).
 * quick: a one-minute smoke run on tiny data (used by the tests).
+* real: every system reading the same files through really slow storage (a latency
+  FUSE mount, a loopback S3 server): see real.py; real-quick is its smoke run.
 """
 
 from __future__ import annotations
@@ -109,4 +111,16 @@ def quick() -> Suite:
     )
 
 
-SUITES = {"full": full, "first": first, "quick": quick}
+def _real():
+    from .real import real
+
+    return real()
+
+
+def _real_quick():
+    from .real import real_quick
+
+    return real_quick()
+
+
+SUITES = {"full": full, "first": first, "quick": quick, "real": _real, "real-quick": _real_quick}

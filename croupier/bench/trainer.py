@@ -41,6 +41,10 @@ class RankJob:
     latency_ms: float = 0.0
     latency_sigma: float = 0.5
     seed: int = 0
+    #: Baselines reading an S3 bucket (`path` an s3:// URL): the endpoint, and for text the
+    #: record-batch index file (see s3baselines); empty for files.
+    endpoint: str = ""
+    index: str = ""
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -58,6 +62,19 @@ def build_loader(job: RankJob) -> tuple[Any, Any]:
         loader = Loader(job.path, servers=job.address, batch_size=job.batch, rank=job.rank, world_size=job.world,
                         seed=job.seed, ordered=job.ordered, prefetch=job.prefetch)
         return loader, loader.close
+    if job.endpoint:
+        from . import s3baselines
+
+        s3 = dict(endpoint=job.endpoint, rank=job.rank, world=job.world, batch=job.batch, workers=job.workers,
+                  seed=job.seed)
+        if job.system == "dataloader":
+            return s3baselines.dataloader(job.dataset, job.path, index=job.index, **s3), None
+        if job.system == "hf":
+            loader = s3baselines.hf_downloaded(job.path, **s3)
+            return loader, loader.close
+        if job.system == "webdataset":
+            return s3baselines.webdataset_http(job.path, **s3), None
+        raise ValueError(f"no S3 baseline for system {job.system!r}")
     if job.system == "dataloader":
         return baselines.dataloader(job.dataset, job.path, seed=job.seed, **common), None
     if job.system == "hf":
@@ -92,6 +109,11 @@ def preimport(job: RankJob) -> None:
         import datasets  # noqa: F401
     elif job.system == "webdataset":
         import webdataset  # noqa: F401
+    if job.endpoint:
+        import boto3  # noqa: F401
+        import pyarrow.fs  # noqa: F401
+
+        from . import s3baselines  # noqa: F401
     from . import baselines  # noqa: F401
 
 
@@ -122,6 +144,7 @@ def run(job: RankJob) -> dict[str, Any]:
             close()
     return {
         "rank": job.rank,
+        "t0": t0,  # time.perf_counter() when the loader was built: CLOCK_MONOTONIC, the same in every process
         "arrivals_s": arrivals,
         "samples": sum(batch_samples),
         "batch_samples": batch_samples,

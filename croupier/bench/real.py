@@ -1,0 +1,815 @@
+"""`croupier bench --suite real`: every system reading the same files through really slow storage.
+
+No latency is injected in any loader: the storage itself is slow, and every system pays
+it the same way, through the kernel or over HTTP.
+
+* latency FS: the benchmark data mounted through latencyfs (a C FUSE passthrough whose
+  every read request sleeps a seeded lognormal draw, 5 ms median, sigma 0.5); croupier
+  serves the mount's paths, the baselines open and map the same paths. Before each case
+  `fs.evict()` opens every file of the dataset through the mount, which drops its cached
+  pages, so each case starts cold; within a case pages a system has read stay cached,
+  as on any real network file system with a client page cache.
+* S3: the loopback S3 server (its own process) serving the same folder as a bucket,
+  20 ms lognormal sigma 0.5 per request, in the server; croupier serves s3:// URLs
+  (obstore range GETs), the baselines read the bucket as their users do (s3baselines).
+* page cache: croupier on the plain local files, read once before the case: the CPU
+  ceiling (nothing to wait for), measured at the start and at the end of the suite.
+
+What the storage served (requests, bytes, most requests in flight) is counted by the
+storage (latencyfs's statistics file, the S3 server's counters), polled every 0.1 s during
+the case, so it counts every system the same way; see README "croupier bench --suite real".
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import json
+import math
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+import time
+import urllib.request
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .cases import (
+    CROUPIER,
+    CROUPIER_ORDERED,
+    HF_SHUFFLE,
+    WEBDATASET,
+    Case,
+    ServerProcess,
+    Storage,
+    System,
+    aggregate,
+    dataloader,
+    run_ranks,
+    steady_skip,
+)
+from .datagen import BenchData, DataSpec, ensure_data
+from .procstat import cpu_seconds, load_into_page_cache, peak_rss_mb, thread_cpu, thread_cpu_delta
+from .trainer import RankJob
+
+SIGMA = 0.5
+#: The S3 bucket the data folder is served as (a symlink under a temporary root).
+BUCKET = "bench"
+
+
+@dataclass(frozen=True)
+class Condition:
+    key: str  # "local", "fuse", "s3"
+    name: str
+    median_ms: float = 0.0
+    sigma: float = SIGMA
+    seed: int = 0
+    #: Drop the dataset's cached pages this often during a case too (latency FS only): a data set
+    #: much larger than memory, where pages read ahead are gone before they are asked for.
+    evict_every_s: float = 0.0
+
+    @property
+    def mean_latency_s(self) -> float:
+        """Mean of the lognormal latency: median * exp(sigma^2 / 2)."""
+        return self.median_ms / 1000 * math.exp(self.sigma**2 / 2)
+
+
+LOCAL = Condition("local", "page cache (local files)")
+
+
+def latency_fs(ms: float = 5.0) -> Condition:
+    return Condition("fuse", f"latency FS {ms:g} ms", ms)
+
+
+def latency_fs_cold(ms: float = 5.0, every_s: float = 0.5) -> Condition:
+    return Condition("fuse", f"latency FS {ms:g} ms, cache dropped every {every_s:g} s", ms, evict_every_s=every_s)
+
+
+def s3(ms: float = 20.0) -> Condition:
+    return Condition("s3", f"S3 {ms:g} ms", ms)
+
+
+@dataclass(frozen=True)
+class RealCase:
+    dataset: str
+    condition: Condition
+    system: System
+    #: "measure", "cpu ceiling" (croupier on page-cache files), "profile" (under cProfile, not a result)
+    role: str = "measure"
+
+
+@dataclass(frozen=True)
+class RealSuite:
+    name: str
+    data: DataSpec
+    #: Per storage condition (run in this order), per dataset, the systems run.
+    matrix: tuple[tuple[Condition, dict[str, tuple[System, ...]]], ...]
+    #: Datasets whose CPU ceiling (croupier unordered on page-cache files) is measured, first and last.
+    ceilings: tuple[str, ...] = ("text", "imagefolder", "shards")
+    world: int = 2
+    batch: int = 64
+    max_batches: int = 800
+    max_seconds: float = 4.0
+    hard_seconds: float = 15.0
+    steady_batches: int = 4
+    steady_per_warmup: int = 3
+    #: Profile croupier's server (profserve: cProfile on CPU clocks, every thread) in a second run of
+    #: text on the latency FS, for this long after the first batch.
+    profile: bool = True
+    profile_seconds: float = 8.0
+    decode_seconds: float = 1.5
+    #: Flags of every `croupier serve` in the suite beyond its defaults (a user's settings for slow storage).
+    server_flags: tuple[str, ...] = ()
+    targets: bool = True
+
+    #: Measure the CPU ceilings again at the end (on a shared machine the better run is the ceiling).
+    ceilings_again: bool = True
+
+    def plan(self) -> list[tuple[Condition, list[RealCase]]]:
+        """The cases in running order, grouped by storage condition (one mount or server each):
+        the CPU ceilings, each slow condition's datasets and systems (the profile run after
+        text's on the latency FS), the CPU ceilings again."""
+        ceilings = [RealCase(ds, LOCAL, CROUPIER, "cpu ceiling") for ds in self.ceilings]
+        out: list[tuple[Condition, list[RealCase]]] = [(LOCAL, ceilings)] if ceilings else []
+        for cond, systems in self.matrix:
+            group: list[RealCase] = []
+            for ds, sys_ in systems.items():
+                group += [RealCase(ds, cond, s) for s in sys_]
+                if self.profile and cond.key == "fuse" and not cond.evict_every_s and ds == "text":
+                    group.append(RealCase(ds, cond, CROUPIER, "profile"))
+            if group:
+                out.append((cond, group))
+        if ceilings and self.ceilings_again:
+            out.append((LOCAL, list(ceilings)))
+        return out
+
+    def cases(self) -> list[RealCase]:
+        return [c for _, group in self.plan() for c in group]
+
+
+def real() -> RealSuite:
+    texts = (CROUPIER, CROUPIER_ORDERED, dataloader(0), dataloader(2), dataloader(8), HF_SHUFFLE)
+    images = (CROUPIER, CROUPIER_ORDERED, dataloader(0), dataloader(2), dataloader(8))
+    shards = (CROUPIER, CROUPIER_ORDERED, WEBDATASET)
+    every = {"text": texts, "imagefolder": images, "shards": shards}
+    # The text rows again with the cache kept cold: 1 GB of rows fits in this machine's page cache, so
+    # memory-mapped readers' 128 KB read-around warms it within seconds; a data set much larger than
+    # memory would not. Images are read once per epoch, so they need no such variant.
+    cold = {"text": (CROUPIER, dataloader(2), dataloader(8))}
+    return RealSuite(name="real", data=DataSpec(text_rows=1_000_000, images=20_000, shard_size=1_000),
+                     matrix=((latency_fs(5.0), every), (latency_fs_cold(5.0, 0.5), cold), (s3(20.0), every)))
+
+
+def real_quick() -> RealSuite:
+    """Seconds on tiny data, one rank, each kind of system on each storage once or so: the smoke test."""
+    return RealSuite(
+        name="real-quick", data=DataSpec(text_rows=4_000, images=400, shard_size=100),
+        matrix=((latency_fs(5.0), {"text": (CROUPIER, HF_SHUFFLE), "imagefolder": (dataloader(0),),
+                                   "shards": (WEBDATASET,)}),
+                (s3(20.0), {"text": (CROUPIER, dataloader(2), HF_SHUFFLE), "imagefolder": (dataloader(2),)})),
+        ceilings=("text",), ceilings_again=False, world=1, batch=8, max_batches=20, max_seconds=0.3,
+        hard_seconds=5.0, steady_batches=2, steady_per_warmup=1, profile=False, decode_seconds=0.3)
+
+
+# ---- storage under test ---------------------------------------------------------------------
+
+class StorageUnderTest:
+    """Where a condition's files are, how to make them cold, and the storage's own counters."""
+
+    condition: Condition
+    pid: int | None = None
+    env: dict[str, str] = {}
+    eviction = ""
+
+    def croupier_path(self, ds: str) -> str:
+        raise NotImplementedError
+
+    def baseline_path(self, ds: str) -> str:
+        return self.croupier_path(ds)
+
+    def before_case(self, ds: str) -> None:
+        pass
+
+    def stats(self) -> dict[str, float] | None:
+        """{"requests", "bytes", "in_flight", "max_in_flight", ...} since the last reset, or None."""
+        return None
+
+    def reset(self) -> None:
+        pass
+
+
+class LocalFiles(StorageUnderTest):
+    eviction = "files read once before the case (page cache)"
+
+    def __init__(self, data: BenchData):
+        self.condition, self.data = LOCAL, data
+
+    def croupier_path(self, ds: str) -> str:
+        return str(data_path(self.data, ds))
+
+    def before_case(self, ds: str) -> None:
+        load_into_page_cache([data_path(self.data, ds)])
+
+
+class LatencyFSStorage(StorageUnderTest):
+    eviction = ("fs.evict(): every file of the dataset opened and closed through the mount before the case, which "
+                "drops its cached pages, mapped ones included (latencyfs.drop_page_cache(), drop_caches, is not used: "
+                "evict() needs no root and leaves the rest of the machine's cache alone)")
+
+    def __init__(self, fs: Any, condition: Condition):
+        self.fs, self.condition, self.pid = fs, condition, fs.pid
+
+    def croupier_path(self, ds: str) -> str:
+        return str(Path(self.fs.path) / ds)
+
+    def before_case(self, ds: str) -> None:
+        self.fs.evict([Path(self.fs.path) / ds])
+
+    def reset(self) -> None:
+        self.fs.reset_stats()
+
+    def stats(self) -> dict[str, float]:
+        s = self.fs.stats()
+        return {"requests": s["requests"], "bytes": s["bytes"], "in_flight": s["in_flight"],
+                "max_in_flight": s["max_in_flight"], "delay_ms": s["delay_ms_total"], "slept_ms": s["slept_ms_total"]}
+
+
+class S3Storage(StorageUnderTest):
+    eviction = ("none needed: the latency is the server's, per request (the bucket's files are in the local "
+                "page cache); the server's counters are reset before each case")
+
+    def __init__(self, server: Any, condition: Condition):
+        self.server, self.condition = server, condition
+        self.pid = server.proc.pid if hasattr(server, "proc") else None
+        self.env = {"AWS_ENDPOINT_URL": server.endpoint, "AWS_ACCESS_KEY_ID": "bench",
+                    "AWS_SECRET_ACCESS_KEY": "bench", "AWS_REGION": "us-east-1"}
+
+    def croupier_path(self, ds: str) -> str:
+        return f"s3://{BUCKET}/{ds}"
+
+    def reset(self) -> None:
+        self.server.reset_stats()
+
+    def stats(self) -> dict[str, float]:
+        s = self.server.stats()
+        return {"requests": s["requests"], "bytes": s["bytes"], "in_flight": s["in_flight"],
+                "max_in_flight": s["max_in_flight"], "delay_ms": s["delay_ms"]}
+
+
+def data_path(data: BenchData, ds: str) -> Path:
+    return data.paths()[ds]
+
+
+@contextlib.contextmanager
+def open_storage(cond: Condition, data: BenchData) -> Iterator[StorageUnderTest]:
+    if cond.key == "local":
+        yield LocalFiles(data)
+    elif cond.key == "fuse":
+        from . import latencyfs
+
+        with latencyfs.mounted(data.root, median_ms=cond.median_ms, sigma=cond.sigma, distribution="lognormal",
+                               seed=cond.seed) as fs:
+            yield LatencyFSStorage(fs, cond)
+    elif cond.key == "s3":
+        from . import s3server
+
+        root = Path(tempfile.mkdtemp(prefix="croupier-bench-s3-"))
+        try:
+            (root / BUCKET).symlink_to(data.root.resolve(), target_is_directory=True)
+            with s3server.running(root, latency=s3server.Latency.lognormal(cond.median_ms, cond.sigma, cond.seed),
+                                  process=True) as server:
+                saved = {k: os.environ.get(k) for k in ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3",
+                                                        "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_REGION",
+                                                        "AWS_SESSION_TOKEN", "AWS_PROFILE")}
+                st = S3Storage(server, cond)
+                for k in saved:
+                    os.environ.pop(k, None)
+                os.environ.update(st.env)  # croupier serve and the trainers inherit them
+                try:
+                    yield st
+                finally:
+                    for k, v in saved.items():
+                        os.environ.pop(k, None)
+                        if v is not None:
+                            os.environ[k] = v
+        finally:
+            shutil.rmtree(root, ignore_errors=True)
+    else:
+        raise ValueError(cond.key)
+
+
+class Evictor:
+    """fs.evict() of one dataset every `period` seconds, on a thread, while a case runs."""
+
+    def __init__(self, st: StorageUnderTest, ds: str, period: float):
+        self.st, self.ds, self.period = st, ds, period
+        self.count = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="evictor", daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.period):
+            self.st.before_case(self.ds)
+            self.count += 1
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> int:
+        self._stop.set()
+        self._thread.join(30)
+        return self.count
+
+
+class ThreadSampler:
+    """The server's per-thread CPU (/proc/PID/task/*/stat) every `period` seconds: threads of an
+    I/O pool that shrinks when idle end before the case does, and their last reading still counts."""
+
+    def __init__(self, pid: int, period: float = 1.0):
+        self.pid, self.period = pid, period
+        self.first = self._named(thread_cpu(pid))
+        self.last = dict(self.first)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="thread-sampler", daemon=True)
+        self._thread.start()
+
+    def _named(self, snap: dict[int, tuple[str, float, float]]) -> dict[int, tuple[str, float, float]]:
+        # Python 3.11 does not name OS threads after threading.Thread names: its threads all read "python"
+        out = {}
+        for tid, (name, u, s) in snap.items():
+            if tid == self.pid:
+                name = "main thread (event loop)"
+            elif name.startswith("python"):
+                name = "other Python threads (I/O pool, CPU pool)"
+            out[tid] = (name, u, s)
+        return out
+
+    def _sample(self) -> None:
+        with contextlib.suppress(OSError):
+            self.last.update(self._named(thread_cpu(self.pid)))
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.period):
+            self._sample()
+
+    def stop(self, total_s: float) -> dict[str, dict[str, float]]:
+        self._stop.set()
+        self._thread.join(10)
+        self._sample()
+        return thread_cpu_delta(self.first, self.last, total_s)
+
+
+class Poller:
+    """The storage's counters every `period` seconds, on a thread: (perf_counter, requests, bytes)."""
+
+    def __init__(self, read: Callable[[], dict[str, float] | None], period: float = 0.1):
+        self.read, self.period = read, period
+        self.points: list[tuple[float, float, float]] = []
+        self.errors = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="storage-poller", daemon=True)
+
+    def _sample(self) -> None:
+        try:
+            s = self.read()
+        except Exception:  # a missed poll is interpolated over
+            self.errors += 1
+            return
+        if s is not None:
+            self.points.append((time.perf_counter(), s["requests"], s["bytes"]))
+
+    def _run(self) -> None:
+        self._sample()
+        while not self._stop.wait(self.period):
+            self._sample()
+
+    def __enter__(self) -> Poller:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stop.set()
+        self._thread.join(10)
+        self._sample()
+
+    def delta(self, a: float, b: float) -> tuple[float, float]:
+        """Requests and bytes served between perf_counter times a and b (interpolated)."""
+        if len(self.points) < 2:
+            return float("nan"), float("nan")
+        t, r, n = (np.asarray(x, dtype=float) for x in zip(*self.points))
+        return float(np.interp(b, t, r) - np.interp(a, t, r)), float(np.interp(b, t, n) - np.interp(a, t, n))
+
+
+def steady_window(ranks: list[dict[str, Any]], warmup: int) -> tuple[float, float, float]:
+    """(start, end, samples): the steady-state window over all ranks in absolute perf_counter
+    time (each rank's batches after its warm-up ones, as `aggregate` counts them), and the
+    samples that arrived in it."""
+    spans = []
+    for r in ranks:
+        t = r["arrivals_s"]
+        if len(t) > 1:
+            skip = steady_skip(t, warmup)
+            spans.append((r["t0"] + t[skip - 1], r["t0"] + t[-1]))
+    if not spans:
+        return float("nan"), float("nan"), 0.0
+    a, b = min(s for s, _ in spans), max(e for _, e in spans)
+    samples = sum(n for r in ranks for t, n in zip(r["arrivals_s"], r["batch_samples"]) if a < r["t0"] + t <= b)
+    return a, b, float(samples)
+
+
+def scrape_metrics(port: int | None) -> dict[str, float]:
+    """croupier's own storage counters from its Prometheus endpoint (file or s3 scheme summed)."""
+    if not port:
+        return {}
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+            text = r.read().decode()
+    except OSError:
+        return {}
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("#") or " " not in line:
+            continue
+        name, _, value = line.rpartition(" ")
+        base = name.split("{")[0]
+        if base in ("croupier_storage_reads_total", "croupier_storage_read_bytes_total",
+                    "croupier_storage_reads_in_flight_max", "croupier_samples_served_total"):
+            key = base.removesuffix("_total")
+            v = float(value)
+            out[key] = max(out.get(key, 0.0), v) if key.endswith("_max") else out.get(key, 0.0) + v
+    return out
+
+
+def summarize_profile(prof: dict[str, Any], samples: int, top: int = 20) -> dict[str, Any]:
+    """profserve's output, per 1,000 samples served and as shares of the Python CPU."""
+    total = prof.get("python_cpu_s") or 1e-9
+    per_k = 1000 / max(samples, 1)
+
+    def rows(key: str, field: str) -> list[dict[str, Any]]:
+        return [{"function": r["function"], "cpu_s": r[field], "share": r[field] / total,
+                 "calls_per_sample": r["calls"] / max(samples, 1), "cpu_ms_per_1k": 1000 * r[field] * per_k}
+                for r in prof.get(key, [])[:top]]
+
+    return {"python_cpu_s": prof.get("python_cpu_s"), "process_user_s": prof.get("process_user_s"),
+            "process_system_s": prof.get("process_system_s"), "threads_profiled": prof.get("threads_profiled"),
+            "threads": [[name, cpu, cpu / total] for name, cpu in prof.get("threads", [])],
+            "self": rows("self", "self_s"), "inclusive": rows("inclusive", "inclusive_s"),
+            "by_file": [{"file": f, "cpu_s": cpu, "share": cpu / total, "cpu_ms_per_1k": 1000 * cpu * per_k}
+                        for f, cpu in prof.get("by_file", [])[:top]]}
+
+
+# ---- one case -------------------------------------------------------------------------------
+
+def _case(suite: RealSuite, rc: RealCase) -> Case:
+    storage = Storage(rc.condition.name, latency_ms=rc.condition.median_ms)
+    return Case(rc.dataset, storage, rc.system, batch=suite.batch, world=suite.world, max_batches=suite.max_batches,
+                max_seconds=suite.max_seconds, steady_batches=suite.steady_batches,
+                steady_per_warmup=suite.steady_per_warmup)
+
+
+def run_real_case(suite: RealSuite, rc: RealCase, st: StorageUnderTest, log: Path, index_file: str = "",
+                  cache_dir: str = "", profile_out: Path | None = None) -> dict[str, Any]:
+    case = _case(suite, rc)
+    sysm = rc.system
+    st.before_case(rc.dataset)
+    st.reset()
+    job = RankJob(system=sysm.kind, dataset=rc.dataset, path=st.baseline_path(rc.dataset), rank=0, world=suite.world,
+                  batch=suite.batch, max_batches=suite.max_batches, max_seconds=suite.max_seconds,
+                  min_batches=sysm.warmup_batches() * (1 + suite.steady_per_warmup) + suite.steady_batches,
+                  hard_seconds=suite.hard_seconds, workers=sysm.workers, ordered=sysm.ordered, prefetch=sysm.prefetch,
+                  seed=0)
+    if isinstance(st, S3Storage) and sysm.kind != "croupier":
+        job = replace(job, endpoint=st.server.endpoint, index=index_file if rc.dataset == "text" else "")
+    timeout = job.hard_seconds + 180  # the HF download on S3 comes before the first batch
+    storage_cpu0 = cpu_seconds(st.pid) if st.pid else None
+    extra: dict[str, Any] = {}
+    server = None
+    with Poller(st.stats) as poller:
+        t_start = time.perf_counter()
+        if sysm.kind == "croupier":
+            flags = [*suite.server_flags, "--metrics-port", "0"]
+            if cache_dir and isinstance(st, S3Storage):
+                flags += ["--cache-dir", cache_dir]
+            launcher = ("-m", "croupier.bench.profserve", str(profile_out)) if profile_out else ("-m", "croupier.cli")
+            server = ServerProcess([f"{rc.dataset}={st.croupier_path(rc.dataset)}"], flags, log, launcher)
+            extra["server_start_s"] = time.perf_counter() - t_start
+            open_stats = st.stats()
+            extra["server_open_requests"] = open_stats["requests"] if open_stats else None
+            job = replace(job, path=rc.dataset, address=server.address)
+        evictor = Evictor(st, rc.dataset, rc.condition.evict_every_s) if rc.condition.evict_every_s else None
+        sampler = None
+        try:
+            cpu0 = cpu_seconds(server.pid) if server else 0.0
+            sampler = ThreadSampler(server.pid) if server else None
+            if evictor:
+                evictor.start()
+            ranks, warnings = run_ranks([replace(job, rank=r) for r in range(suite.world)], timeout)
+            if server:
+                extra["server_cpu_s"] = cpu_seconds(server.pid) - cpu0
+                extra["server_threads_cpu_s"] = sampler.stop(extra["server_cpu_s"]) if sampler else {}
+                extra["server_peak_rss_mb"] = peak_rss_mb(server.pid)
+                extra["croupier_metrics"] = scrape_metrics(server.metrics_port)
+        finally:
+            if sampler is not None and "server_threads_cpu_s" not in extra:
+                sampler.stop(0.0)
+            if evictor:
+                extra["evictions"] = evictor.stop()
+            if server is not None:
+                server.stop()
+    end = st.stats()
+    storage_cpu = cpu_seconds(st.pid) - storage_cpu0 if st.pid and storage_cpu0 is not None else None
+    in_flight = sysm.reads_in_flight(suite.batch)
+    res = aggregate(case, ranks, in_flight)
+    if server is not None:
+        res.server_cpu_s_per_1k = 1000 * extra.pop("server_cpu_s") / max(res.samples, 1)
+        res.cpu_s_per_1k += res.server_cpu_s_per_1k
+        res.server_peak_rss_mb = extra.pop("server_peak_rss_mb")
+    res.extra.update(extra)
+    res.extra["warnings"] = warnings
+    r = res.as_dict()
+    r["condition"] = asdict(rc.condition)
+    r["role"] = rc.role
+    r["label"] = sysm.label
+    # At the storage: the whole case, and the steady window
+    a, b, steady_samples = steady_window(ranks, sysm.warmup_batches())
+    sr, sb = poller.delta(a, b)
+    span = b - a
+    storage: dict[str, Any] = {"counted": end is not None}
+    if end is not None:
+        storage.update({
+            "requests": end["requests"], "bytes": end["bytes"], "max_in_flight": end["max_in_flight"],
+            "reads_per_sample": end["requests"] / max(res.samples, 1),
+            "bytes_per_sample": end["bytes"] / max(res.samples, 1),
+            "steady_reads_per_s": sr / span if span > 0 else None,
+            "steady_mb_per_s": sb / span / 1e6 if span > 0 else None,
+            "steady_reads_per_sample": sr / steady_samples if steady_samples else None,
+            "steady_bytes_per_sample": sb / steady_samples if steady_samples else None,
+            "steady_window_s": span, "steady_samples": steady_samples, "polls": len(poller.points),
+            "cpu_s_per_1k": 1000 * storage_cpu / max(res.samples, 1) if storage_cpu is not None else None,
+            "mean_latency_ms_configured": 1000 * rc.condition.mean_latency_s,
+        })
+        if end.get("slept_ms") is not None and end["requests"]:
+            storage["mean_slept_ms"] = end["slept_ms"] / end["requests"]
+            storage["slept_over_planned"] = end["slept_ms"] / max(end["delay_ms"], 1e-9)
+        elif end.get("delay_ms") is not None and end["requests"]:
+            storage["mean_delay_ms"] = end["delay_ms"] / end["requests"]
+    r["storage"] = storage
+    return r
+
+
+# ---- ceilings, targets ----------------------------------------------------------------------
+
+def derive(results: list[dict[str, Any]], decode_rates: dict[str, float], cores: int) -> None:
+    """Ceilings and comparisons: C/L from what the storage saw, the CPU ceiling (croupier on
+    page-cache files, the better of its runs), the decode ceiling; multiples of the best
+    DataLoader (and of WebDataset) on the same dataset and storage."""
+    cpu_best: dict[str, float] = {}
+    for r in results:
+        if r["role"] == "cpu ceiling":
+            ds = r["case"]["dataset"]
+            cpu_best[ds] = max(cpu_best.get(ds, 0.0), r["samples_per_s"])
+    best_dl: dict[tuple[str, str], float] = {}
+    best_wds: dict[tuple[str, str], float] = {}
+    for r in results:
+        key = (r["case"]["dataset"], r["condition"]["name"])
+        kind = r["case"]["system"]["kind"]
+        if r["role"] == "measure" and kind == "dataloader":
+            best_dl[key] = max(best_dl.get(key, 0.0), r["samples_per_s"])
+        if r["role"] == "measure" and kind == "webdataset":
+            best_wds[key] = max(best_wds.get(key, 0.0), r["samples_per_s"])
+    for r in results:
+        ds, cond = r["case"]["dataset"], r["condition"]
+        s = r["storage"]
+        r["ceiling_decode"] = decode_rates.get(ds, math.inf) * cores
+        io = None
+        if cond["median_ms"] and s.get("counted") and s.get("max_in_flight"):
+            mean_l = cond["median_ms"] / 1000 * math.exp(cond["sigma"] ** 2 / 2)
+            s["c_over_l_reads_per_s"] = s["max_in_flight"] / mean_l
+            per = s.get("steady_reads_per_sample") or s.get("reads_per_sample")
+            s["reads_per_sample_for_ceiling"] = per
+            io = s["c_over_l_reads_per_s"] / per if per else None
+            if s.get("steady_reads_per_s") is not None:
+                s["fraction_of_c_over_l"] = s["steady_reads_per_s"] / s["c_over_l_reads_per_s"]
+        cpu = cpu_best.get(ds) if r["case"]["system"]["kind"] == "croupier" and cond["key"] != "local" else None
+        bounds = {k: v for k, v in {"C/L": io, "CPU": cpu}.items() if v}
+        r["ceiling_c_over_l"] = io
+        r["ceiling_cpu"] = cpu
+        if bounds:
+            binding = min(bounds, key=bounds.get)
+            r["ceiling"], r["ceiling_binding"] = bounds[binding], binding
+            r["fraction_of_ceiling"] = r["samples_per_s"] / bounds[binding]
+        else:
+            r["ceiling"] = r["ceiling_binding"] = r["fraction_of_ceiling"] = None
+        key = (ds, cond["name"])
+        r["vs_best_dataloader"] = r["samples_per_s"] / best_dl[key] if best_dl.get(key) else None
+        r["vs_webdataset"] = r["samples_per_s"] / best_wds[key] if best_wds.get(key) else None
+
+
+def _find(results: list[dict[str, Any]], ds: str, cond_key: str, label: str, cold: bool = False) -> dict[str, Any] | None:
+    return next((r for r in results if r["role"] == "measure" and r["case"]["dataset"] == ds and r["label"] == label
+                 and r["condition"]["key"] == cond_key and bool(r["condition"].get("evict_every_s")) == cold), None)
+
+
+def _best(results: list[dict[str, Any]], ds: str, cond_key: str, kind: str = "dataloader",
+          cold: bool = False) -> dict[str, Any] | None:
+    rs = [r for r in results if r["role"] == "measure" and r["case"]["dataset"] == ds and r["case"]["system"]["kind"] == kind
+          and r["condition"]["key"] == cond_key and bool(r["condition"].get("evict_every_s")) == cold]
+    return max(rs, key=lambda r: r["samples_per_s"]) if rs else None
+
+
+def _target(name: str, measured: float | None, want: float, detail: str) -> dict[str, Any]:
+    return {"target": name, "measured": None if measured is None else float(measured), "want": want,
+            "met": bool(measured is not None and measured >= want), "detail": detail}  # numpy bools are no JSON
+
+
+def check_targets(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The issue's targets, as numbers (see the report's Targets section)."""
+    out: list[dict[str, Any]] = []
+    for cold in (False, True):
+        cr, dl = _find(results, "text", "fuse", CROUPIER.label, cold), _best(results, "text", "fuse", cold=cold)
+        if cr and dl:
+            out.append(_target(f"text, {cr['condition']['name']}: croupier unordered >= 10x the best DataLoader",
+                               cr["samples_per_s"] / dl["samples_per_s"], 10.0,
+                               f"{cr['samples_per_s']:,.0f} vs {dl['samples_per_s']:,.0f} samples/s ({dl['label']}); "
+                               f"storage reads per sample {_f(cr['storage'].get('reads_per_sample'), '.2f')} vs "
+                               f"{_f(dl['storage'].get('reads_per_sample'), '.2f')}"))
+    cr, dl = _find(results, "imagefolder", "fuse", CROUPIER.label), _best(results, "imagefolder", "fuse")
+    if cr and dl:
+        want = min(3 * dl["samples_per_s"], 0.7 * cr["ceiling_decode"])
+        which = "3x best DataLoader" if want == 3 * dl["samples_per_s"] else "0.7 of the decode ceiling"
+        out.append(_target("images (ImageFolder), latency FS: croupier unordered >= 3x the best DataLoader "
+                           "or >= 0.7 of the JPEG decode ceiling, whichever is lower",
+                           cr["samples_per_s"] / want, 1.0,
+                           f"{cr['samples_per_s']:,.0f} samples/s against {want:,.0f} ({which}); best DataLoader "
+                           f"{dl['samples_per_s']:,.0f} ({dl['label']}), decode ceiling {cr['ceiling_decode']:,.0f}"))
+    for cond, cold in (("fuse", False), ("fuse", True), ("s3", False)):
+        for ds in ("text", "imagefolder", "shards"):
+            cr = _find(results, ds, cond, CROUPIER.label, cold)
+            if cr is None or cr.get("fraction_of_ceiling") is None:
+                continue
+            s = cr["storage"]
+            out.append(_target(f"{ds}, {cr['condition']['name']}: croupier unordered >= 0.7 of min(C/L, CPU ceiling)",
+                               cr["fraction_of_ceiling"], 0.7,
+                               f"{cr['samples_per_s']:,.0f} of {cr['ceiling']:,.0f} samples/s ({cr['ceiling_binding']}; "
+                               f"C/L {_f(cr['ceiling_c_over_l'])} = {s.get('max_in_flight', 0):,.0f} in flight / "
+                               f"{s.get('mean_latency_ms_configured', 0):.2f} ms / "
+                               f"{_f(s.get('reads_per_sample_for_ceiling'), '.2f')} reads per sample; "
+                               f"CPU {_f(cr['ceiling_cpu'])})"))
+    for ds in ("text", "imagefolder"):
+        cr, dl = _find(results, ds, "s3", CROUPIER.label), _best(results, ds, "s3")
+        if cr and dl:
+            out.append(_target(f"{ds}, S3: croupier unordered >= 10x the best DataLoader",
+                               cr["samples_per_s"] / dl["samples_per_s"], 10.0,
+                               f"{cr['samples_per_s']:,.0f} vs {dl['samples_per_s']:,.0f} samples/s ({dl['label']})"))
+    return out
+
+
+def _f(x: Any, fmt: str = ",.0f") -> str:
+    return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, fmt)
+
+
+# ---- the suite ------------------------------------------------------------------------------
+
+def run_real(suite: RealSuite, out: Path, data_dir: Path, command: str, say: Callable[[str], None] = print,
+             only: str = "") -> dict[str, Any]:
+    from . import latencyfs, realreport
+    from .decode import decode_rates
+    from .run import code_state, machine
+
+    t0 = time.perf_counter()
+    out.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix=f"croupier-bench-{suite.name}-"))
+    log = work / "server.log"
+    log.write_text("")
+    rep: dict[str, Any] = {
+        "suite": suite.name, "command": command, "machine": machine(), "code": code_state(),
+        "revision": _git("rev-parse", "HEAD"),
+        "started": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "load": {"start": list(os.getloadavg())}, "data": asdict(suite.data), "batch": suite.batch,
+        "world": suite.world, "server_flags": list(suite.server_flags), "errors": [], "skipped": [],
+        "limits": {"max_batches": suite.max_batches, "max_seconds": suite.max_seconds,
+                   "hard_seconds": suite.hard_seconds},
+    }
+    data = ensure_data(data_dir, suite.data, log=say)
+    local = {k: v for k, v in data.paths().items()}
+    rates = decode_rates(local, suite.decode_seconds)
+    say("decode rate, one core: " + ", ".join(f"{k} {v:,.0f} samples/s" for k, v in rates.items()))
+    index_file = work / "text-batches.json"
+    from .s3baselines import arrow_batch_index
+
+    index = arrow_batch_index(data.text)
+    index_file.write_text(json.dumps(index))
+    rep["text_record_batches"] = {"files": len(index["files"]), "batches": len(index["batches"]),
+                                  "rows_per_batch": index["batches"][0][4] if index["batches"] else 0,
+                                  "mean_batch_bytes": float(np.mean([b[2] for b in index["batches"]]))}
+    tar_cache = data_dir.parent / f"{data_dir.name}-tar-index"  # croupier's tar index for s3:// shards
+    fuse_reason = latencyfs.check_available()
+    rep["conditions"] = {}
+    def wanted(c: RealCase) -> bool:
+        return not only or only in f"{c.dataset} | {c.condition.name} | {c.system.label} | {c.role}"
+
+    plan = [(cond, [c for c in group if wanted(c)]) for cond, group in suite.plan()]
+    plan = [(cond, group) for cond, group in plan if group]
+    total = sum(len(g) for _, g in plan)
+    results: list[dict[str, Any]] = []
+    n_done = 0
+    for cond, todo in plan:
+        if cond.key == "fuse" and fuse_reason:
+            rep["skipped"].append(f"{cond.name}: skipped, latencyfs is unusable here: {fuse_reason}")
+            say(f"skipping {cond.name}: {fuse_reason}")
+            n_done += len(todo)
+            continue
+        with open_storage(cond, data) as st:
+            rep["conditions"].setdefault(cond.name, {
+                "key": cond.key, "median_ms": cond.median_ms, "sigma": cond.sigma, "seed": cond.seed,
+                "mean_ms": 1000 * cond.mean_latency_s, "evict_every_s": cond.evict_every_s,
+                "eviction": st.eviction + (f", and again every {cond.evict_every_s:g} s during the case"
+                                           if cond.evict_every_s else "")})
+            if any(c.dataset == "shards" and c.system.kind == "croupier" for c in todo):
+                if cond.key == "s3":
+                    rep["conditions"][cond.name]["tar_index_s"] = _prepare_tar_index(
+                        st.croupier_path("shards"), ["--cache-dir", str(tar_cache)], log, say)
+                elif cond.key == "fuse":  # beside the shards in the source folder (the mount is read-only)
+                    rep["conditions"][cond.name]["tar_index_s"] = _prepare_tar_index(str(data.shards), [], log, say)
+            for rc in todo:
+                n_done += 1
+                what = f"{rc.dataset} | {cond.name} | {rc.system.label}" + (f" ({rc.role})" if rc.role != "measure" else "")
+                say(f"[{n_done}/{total}] {what} ...")
+                t = time.perf_counter()
+                prof = work / "profile.json" if rc.role == "profile" else None
+                run_as = suite if prof is None else replace(
+                    suite, max_seconds=suite.profile_seconds, max_batches=max(suite.max_batches, 4000),
+                    hard_seconds=max(suite.hard_seconds, suite.profile_seconds + 5))
+                try:
+                    r = run_real_case(run_as, rc, st, log, str(index_file), str(tar_cache), prof)
+                except Exception as exc:  # one failed case is reported; the suite carries on
+                    rep["errors"].append(f"{what}: {exc}")
+                    say(f"    failed: {exc}")
+                    continue
+                if prof is not None:
+                    try:
+                        summary = summarize_profile(json.loads(prof.read_text()), r["samples"])
+                    except (OSError, ValueError) as exc:
+                        rep["errors"].append(f"{what}: no profile written ({exc})")
+                        continue
+                    rep["profile"] = {"case": what, "samples_per_s": r["samples_per_s"], "samples": r["samples"],
+                                      "server_cpu_s_per_1k": r["server_cpu_s_per_1k"],
+                                      "server_threads_cpu_s": r["extra"].get("server_threads_cpu_s"), **summary}
+                    say(f"    profiled at {r['samples_per_s']:,.0f} samples/s; top (self CPU): "
+                        + ", ".join(f"{x['function']} {x['share']:.0%}" for x in summary["self"][:3]))
+                    continue
+                results.append(r)
+                rep["errors"] += [f"{what}: {w}" for w in r["extra"].get("warnings", [])]
+                s = r["storage"]
+                say(f"    {r['samples_per_s']:,.0f} samples/s, first batch {r['first_batch_s']:.2f} s"
+                    + (f", storage {_f(s.get('steady_reads_per_s'))} reads/s, {s['reads_per_sample']:.2f} reads and "
+                       f"{s['bytes_per_sample'] / 1024:,.1f} KB per sample, max {s['max_in_flight']:,.0f} in flight"
+                       if s.get("counted") else "")
+                    + f" ({time.perf_counter() - t:.1f} s)")
+    again = decode_rates(local, suite.decode_seconds)
+    rep["decode_rates_measured"] = {"start": rates, "end": again}
+    rep["decode_rates"] = rates = {k: max(v, again[k]) for k, v in rates.items()}
+    derive(results, rates, rep["machine"]["cores"])
+    rep["cases"] = results
+    if suite.targets:
+        rep["targets"] = check_targets(results)
+    rep["load"]["end"] = list(os.getloadavg())
+    if code_state() != rep["code"]:
+        rep["errors"].append(f"the code changed during the run: {rep['code']} at the start, {code_state()} at the end")
+    rep["wall_s"] = time.perf_counter() - t0
+    (out / f"{suite.name}.json").write_text(json.dumps(rep, indent=1, default=str))  # first: the figures are safe
+    made = realreport.plots(rep, out, suite.name)
+    (out / f"{suite.name}.md").write_text(realreport.markdown(rep, made))
+    shutil.rmtree(work, ignore_errors=True)
+    say(f"wrote {out / (suite.name + '.md')}, {out / (suite.name + '.json')} and {len(made)} plots "
+        f"in {rep['wall_s'] / 60:.1f} min")
+    for t in rep.get("targets", []):
+        say(f"  target {'met' if t['met'] else 'NOT met'}: {t['target']}: {t['detail']}")
+    return rep
+
+
+def _prepare_tar_index(shards: str, flags: list[str], log: Path, say: Callable[[str], None]) -> float:
+    """croupier scans a tar shard's headers once and keeps its offset index (`<shard>.idx.json`
+    beside a local shard, under --cache-dir for s3://): done before the cases, as a deployment
+    would ship or cache it. Without it the first server on the latency FS would read every
+    shard whole through the mount at start, and serve the case from the page cache."""
+    t = time.perf_counter()
+    ServerProcess([f"shards={shards}"], flags, log).stop()
+    took = time.perf_counter() - t
+    say(f"croupier's tar index of {shards} ready in {took:.1f} s")
+    return took
+
+
+def _git(*args: str) -> str:
+    try:
+        return subprocess.run(["git", *args], capture_output=True, text=True, timeout=10).stdout.strip() or "unknown"
+    except (OSError, subprocess.TimeoutExpired):
+        return "unknown"
+
+
