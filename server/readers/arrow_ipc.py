@@ -245,19 +245,13 @@ class TableReader(Reader):
         if not w.fetch:
             done(item, None)
             return True
-        fut = self.store.submit_ranges(self.files[f], [(o, s) for o, s, _ in w.fetch])
-        if fut is None:
-            return False
         fetch = w.fetch
 
-        def landed(fut) -> None:
-            if fut.cancelled():
-                return
-            err = fut.exception()
+        def landed(parts: list[bytes] | None, err: BaseException | None) -> None:
             if err is not None:
                 done(None, SampleError(f"{self._row_name(index, f, b, r)}: cannot read: {err}", index, self.path))
                 return
-            for (o, s, node), part in zip(fetch, fut.result()):
+            for (o, s, node), part in zip(fetch, parts):  # type: ignore[arg-type]
                 if len(part) != s:
                     done(None, SampleError(
                         f"{self._row_name(index, f, b, r)}: file is truncated ({len(part)} of {s} bytes at byte {o})",
@@ -267,8 +261,7 @@ class TableReader(Reader):
                 item.nbytes += s
             done(item, None)
 
-        fut.add_done_callback(landed)
-        return True
+        return self.store.submit_ranges(self.files[f], [(o, s) for o, s, _ in fetch], landed)
 
     def batch_layout(self, f: int, b: int):
         return self.layouts[f].batches[b]

@@ -21,7 +21,7 @@ from __future__ import annotations
 import abc
 import asyncio
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 
@@ -205,11 +205,14 @@ class Store(abc.ABC):
     def unpin(self, path: str) -> None:
         """Undo one `pin` of `path` (the dataset is closed)."""
 
-    def submit_ranges(self, path: str, ranges: Sequence[Range]) -> "asyncio.Future[list[bytes]] | None":
-        """`read_ranges` without a coroutine, for callers on the hot path that chain a
-        callback instead of awaiting: a future of the ranges' bytes, counted like
-        `read_ranges`; None when this store has no such path (then await read_ranges)."""
-        return None
+    def submit_ranges(
+        self, path: str, ranges: Sequence[Range], callback: "Callable[[list[bytes] | None, BaseException | None], None]"
+    ) -> bool:
+        """`read_ranges` without a coroutine or a future, for the hot path: start the reads
+        and call `callback(parts, None)` on the loop when all have landed, or
+        `callback(None, error)`; counted like `read_ranges`. False when this store has no
+        such path (then await `read_ranges`)."""
+        return False
 
     @abc.abstractmethod
     async def _read(self, path: str, offset: int, size: int) -> bytes: ...

@@ -236,38 +236,29 @@ class LocalStore(Store):
             return [await self.pool.submit(self._pread, path, *ranges[0])]
         return await super()._read_ranges(path, ranges)
 
-    def submit_ranges(self, path: str, ranges: Sequence[Range]) -> "asyncio.Future[list[bytes]]":
+    def submit_ranges(self, path: str, ranges: Sequence[Range], callback) -> bool:
         n = len(ranges)
         stats = self.stats
         stats.started(n)
-        if self.native is None:
-            fut = self.pool.submit(self._preads, path, ranges)
-        elif n == 1:
-            one = self._native_read(path, *ranges[0])
-            fut = asyncio.get_running_loop().create_future()
 
-            def single(f: "asyncio.Future[bytes]") -> None:
-                if fut.cancelled():
-                    return
-                if f.cancelled():
-                    fut.cancel()
-                elif f.exception() is not None:
-                    fut.set_exception(f.exception())  # type: ignore[arg-type]
-                else:
-                    fut.set_result([f.result()])
+        def counted(parts: list[bytes] | None, err: BaseException | None) -> None:
+            stats.finished(sum(map(len, parts)) if parts is not None else 0, n, ok=err is None)
+            callback(parts, err)
 
-            one.add_done_callback(single)
-        else:
-            fut = asyncio.gather(*(self._native_read(path, o, s) for o, s in ranges))  # type: ignore[assignment]
+        if self.native is not None:
+            self.native.pread_ranges(self._pinned.get(path), path, ranges, counted)
+            return True
 
-        def counted(f: "asyncio.Future[list[bytes]]") -> None:
-            if f.cancelled() or f.exception() is not None:
-                stats.finished(0, n, ok=False)
+        def landed(f: "asyncio.Future[list[bytes]]") -> None:
+            if f.cancelled():
+                counted(None, asyncio.CancelledError())
+            elif f.exception() is not None:
+                counted(None, f.exception())
             else:
-                stats.finished(sum(len(p) for p in f.result()), n)
+                counted(f.result(), None)
 
-        fut.add_done_callback(counted)
-        return fut
+        self.pool.submit(self._preads, path, ranges).add_done_callback(landed)
+        return True
 
     def close(self) -> None:
         if self.native is not None:
