@@ -21,7 +21,6 @@ reading whole record batches (arrow_ipc.WholeBatches).
 
 from __future__ import annotations
 
-import collections
 import struct
 import threading
 from collections.abc import Sequence
@@ -51,19 +50,17 @@ class Unsupported(Exception):
 
 
 class PageCache:
-    """(file, batch, buffer, page) -> bytes, least recently used out past `max_bytes`."""
+    """(file, batch, buffer, page) -> bytes, oldest out past `max_bytes` (first in, first
+    out: a hit costs one dict lookup, which is what the per-row walk can afford)."""
 
     def __init__(self, max_bytes: int = DEFAULT_PAGE_CACHE_BYTES):
         self.max_bytes = max_bytes
         self.nbytes = 0
-        self._pages: collections.OrderedDict[tuple[int, int, int, int], bytes] = collections.OrderedDict()
+        self._pages: dict[tuple[int, int, int, int], bytes] = {}
         self._lock = threading.Lock()  # encode threads never touch it, but tools may share a reader
 
     def get(self, key: tuple[int, int, int, int]) -> bytes | None:
-        page = self._pages.get(key)
-        if page is not None:
-            self._pages.move_to_end(key)
-        return page
+        return self._pages.get(key)
 
     def put(self, key: tuple[int, int, int, int], page: bytes) -> None:
         with self._lock:
@@ -72,7 +69,7 @@ class PageCache:
             self._pages[key] = page
             self.nbytes += len(page)
             while self.nbytes > self.max_bytes and len(self._pages) > 1:
-                _, old = self._pages.popitem(last=False)
+                old = self._pages.pop(next(iter(self._pages)))
                 self.nbytes -= len(old)
 
     def clear(self) -> None:
@@ -97,13 +94,14 @@ class Node:
 class Walk:
     """One row's walk through a batch: what is missing, what to fetch, and where."""
 
-    __slots__ = ("file", "batch", "layout", "pages", "missing", "fetch", "buffers", "nodes", "dense_limit")
+    __slots__ = ("file", "batch", "layout", "pages", "page_map", "missing", "fetch", "buffers", "nodes", "dense_limit")
 
     def __init__(self, file: int, batch: int, layout: BatchLayout, pages: PageCache):
         self.file = file
         self.batch = batch
         self.layout = layout
         self.pages = pages
+        self.page_map = pages._pages  # read without a call on the hot path
         self.missing: list[tuple[int, int]] = []  # (buffer, page) not cached
         self.fetch: list[tuple[int, int, Node]] = []  # (absolute offset, size, node whose .data it is)
         self.buffers = layout.buffer_list  # (absolute offset, length) per buffer
@@ -116,7 +114,7 @@ class Walk:
             return b""
         first, last = lo // PAGE_BYTES, (hi - 1) // PAGE_BYTES
         if first == last:  # the common case: one page
-            page = self.pages.get((self.file, self.batch, buf, first))
+            page = self.page_map.get((self.file, self.batch, buf, first))
             if page is None:
                 self.missing.append((buf, first))
                 return None
@@ -238,6 +236,19 @@ class FixedCodec(Codec):
         self.width = self.type.bit_width // 8
 
     def walk(self, w: Walk, a: int, b: int) -> Node | None:
+        width = self.width
+        length, nulls = w.nodes[self.node]
+        if nulls == 0 and b == a + 1 and b <= length:  # one valid value: the per-row case
+            buf = self.buffer + 1
+            size = w.buffers[buf][1]
+            lo = a * width
+            if size <= w.dense_limit and lo + width <= size and lo // PAGE_BYTES == (lo + width - 1) // PAGE_BYTES:
+                page = w.page_map.get((w.file, w.batch, buf, lo // PAGE_BYTES))
+                if page is not None:
+                    node = Node(1, None)
+                    base = lo - lo % PAGE_BYTES
+                    node.data = page[lo - base : lo - base + width]
+                    return node
         self.check(w, a, b)
         ok, valid = self.validity(w, a, b)
         node = Node(b - a, valid)
