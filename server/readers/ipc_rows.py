@@ -317,6 +317,25 @@ class _OffsetsCodec(Codec):
             )
         return True, offs
 
+    def one_offsets(self, w: Walk, a: int, limit: int) -> tuple[int, int] | None:
+        """Offsets a and a+1 when element a is valid (no nulls in the field) and both sit on
+        one cached page: the per-row fast path; None sends the caller down the checked one."""
+        length, nulls = w.nodes[self.node]
+        if nulls or a + 1 > length:
+            return None
+        size = self.pair.size // 2
+        lo = a * size
+        hi = lo + 2 * size
+        if w.buffers[self.buffer + 1][1] < hi or lo // PAGE_BYTES != (hi - 1) // PAGE_BYTES:
+            return None
+        page = w.page_map.get((w.file, w.batch, self.buffer + 1, lo // PAGE_BYTES))
+        if page is None:
+            return None
+        start, end = self.pair.unpack_from(page, lo % PAGE_BYTES)
+        if not 0 <= start <= end <= limit:
+            raise CorruptRow(self.path, f"offsets {start}..{end} are not monotone within 0..{limit} (corrupt)")
+        return start, end
+
     def offsets_buffer(self, nodes: Sequence[Node]) -> pa.Buffer:
         if all(isinstance(n.lengths, int) for n in nodes):  # one element each: the common case
             lengths = np.fromiter((n.lengths for n in nodes), dtype=np.int64, count=len(nodes))
@@ -333,6 +352,12 @@ class BinaryCodec(_OffsetsCodec):
     nbuffers = 3
 
     def walk(self, w: Walk, a: int, b: int) -> Node | None:
+        if b == a + 1:
+            one = self.one_offsets(w, a, w.buffers[self.buffer + 2][1])
+            if one is not None:
+                node = Node(1, None)
+                node.lengths = one[1] - one[0]
+                return node if w.values(node, self.buffer + 2, one[0], one[1]) else None
         self.check(w, a, b)
         ok, valid = self.validity(w, a, b)
         ok2, offs = self.offsets(w, a, b, w.buffers[self.buffer + 2][1])
@@ -360,9 +385,19 @@ class ListCodec(_OffsetsCodec):
     nbuffers = 2
 
     def walk(self, w: Walk, a: int, b: int) -> Node | None:
+        child = self.children[0]
+        if b == a + 1:
+            one = self.one_offsets(w, a, w.nodes[child.node][0])
+            if one is not None:
+                sub = child.walk(w, one[0], one[1])
+                if sub is None:
+                    return None
+                node = Node(1, None)
+                node.lengths = one[1] - one[0]
+                node.children = [sub]
+                return node
         self.check(w, a, b)
         ok, valid = self.validity(w, a, b)
-        child = self.children[0]
         ok2, offs = self.offsets(w, a, b, w.nodes[child.node][0])
         if not ok2:
             return None
