@@ -381,6 +381,7 @@ def test_non_image_bytes_are_sample_errors_naming_file_and_index(tmp_path: Path)
     with pytest.raises(SampleError, match=r"sample 3 \(.*img/dog/00001\.png\): not an image") as info:
         _read_all(reader, [3])
     assert info.value.index == 3 and info.value.path.endswith("dog/00001.png")
+    assert "<html>" not in str(info.value), "the file's bytes are never echoed to a client"
 
     write_tar(tmp_path / "wds" / "s.tar", {"k0.png": png_bytes(0), "k1.png": b"PK\x03\x04 a zip file"})
     with pytest.raises(SampleError, match=r"sample 1 \(.*s\.tar:k1\.png\): not an image"):

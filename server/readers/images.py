@@ -66,7 +66,8 @@ def checked_format(data: bytes, index: int, where: str, path: str | None = None)
     fmt = sniff_format(data)
     if fmt is None:
         raise SampleError(
-            f"sample {index} ({where}): not an image (starts with {data[:8]!r}; expected JPEG, PNG, WebP, BMP or GIF)",
+            # The file's bytes are never echoed: an error may reach a client that must not see them.
+            f"sample {index} ({where}): not an image (no JPEG, PNG, WebP, BMP or GIF signature in its first bytes)",
             index=index,
             path=path or where,
         )

@@ -237,8 +237,7 @@ class ParquetReader(Reader):
                 tail, tail_start = head + tail, footer_start
             if tail_start == 0 and tail[:4] != _MAGIC:
                 raise DatasetError(
-                    f"{url} is not a readable Parquet file (corrupt?): it starts with {bytes(tail[:4])!r}, "
-                    f"not the magic {_MAGIC!r}"
+                    f"{url} is not a readable Parquet file (corrupt?): it does not start with the magic {_MAGIC!r}"
                 )
             footer = tail[footer_start - tail_start :]
             pf = pq.ParquetFile(pa.BufferReader(footer))  # reads nothing but `footer`
