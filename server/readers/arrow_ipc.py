@@ -111,8 +111,8 @@ class TableReader(Reader):
         self._loading: dict[tuple[int, int, int, int], asyncio.Future[None]] = {}
         self._column_index = {n: i for i, n in enumerate(first.names)}
         self._selections: dict[tuple[str, ...], tuple[tuple[str, ...], list[Codec]]] = {}
-        self.whole_batches_reason = self._whole_batches_reason()
-        self._codecs: list[Codec] = [] if self.whole_batches_reason else make_codecs(first)
+        self._codecs: list[Codec] = []
+        self.whole_batches_reason = self._whole_batches_reason()  # sets _codecs when rows can be read by range
         self._whole: collections.OrderedDict[int, pa.RecordBatch] = collections.OrderedDict()
         self._whole_bytes = 0
         self._decoding: dict[int, asyncio.Future[pa.RecordBatch]] = {}
@@ -147,6 +147,7 @@ class TableReader(Reader):
                         f"{self.store.url(layout.path)}: record batch {b} has columns of other lengths "
                         f"than its {batch.rows} rows (corrupt)"
                     )
+        self._codecs = codecs
         return ""
 
     def _estimate_row_bytes(self) -> dict[str, int]:
@@ -209,22 +210,29 @@ class TableReader(Reader):
             await self._load_pages(f, b, set(w.missing))
         else:  # pragma: no cover - nesting deeper than _MAX_ROUNDS levels
             raise SampleError(f"{self._row_name(index, f, b, r)}: nested deeper than {_MAX_ROUNDS} levels", index, self.path)
-        nbytes = 16 * len(codecs)
+        item = RowItem(index, nodes, 16 * len(codecs), names)  # type: ignore[arg-type]
         if w.fetch:
             try:
                 parts = await self.store.read_ranges(self.files[f], [(o, s) for o, s, _ in w.fetch])
             except OSError as exc:
                 raise SampleError(f"{self._row_name(index, f, b, r)}: cannot read: {exc}", index, self.path) from exc
-            for (o, s, node), part in zip(w.fetch, parts):
-                if len(part) != s:
-                    raise SampleError(
-                        f"{self._row_name(index, f, b, r)}: file is truncated ({len(part)} of {s} bytes at byte {o})",
-                        index,
-                        self.path,
-                    )
-                node.data = part
-                nbytes += s
-        return RowItem(index, nodes, nbytes, names)  # type: ignore[arg-type]
+            error = self._fill(item, w.fetch, parts, f, b, r)
+            if error is not None:
+                raise error
+        return item
+
+    def _fill(self, item: RowItem, fetch: list, parts: Sequence[bytes], f: int, b: int, r: int) -> SampleError | None:
+        """Hand each fetched range to its node; the error of a short read (truncated file)."""
+        for (o, s, node), part in zip(fetch, parts):
+            if len(part) != s:
+                return SampleError(
+                    f"{self._row_name(item.index, f, b, r)}: file is truncated ({len(part)} of {s} bytes at byte {o})",
+                    item.index,
+                    self.path,
+                )
+            node.data = part
+            item.nbytes += s
+        return None
 
     def start_read(self, index: int, columns: Sequence[str], done) -> bool:
         """A warm row (its batch's structural pages cached) without a coroutine: the walk
@@ -251,15 +259,11 @@ class TableReader(Reader):
             if err is not None:
                 done(None, SampleError(f"{self._row_name(index, f, b, r)}: cannot read: {err}", index, self.path))
                 return
-            for (o, s, node), part in zip(fetch, parts):  # type: ignore[arg-type]
-                if len(part) != s:
-                    done(None, SampleError(
-                        f"{self._row_name(index, f, b, r)}: file is truncated ({len(part)} of {s} bytes at byte {o})",
-                        index, self.path))
-                    return
-                node.data = part
-                item.nbytes += s
-            done(item, None)
+            error = self._fill(item, fetch, parts, f, b, r)  # type: ignore[arg-type]
+            if error is not None:
+                done(None, error)
+            else:
+                done(item, None)
 
         return self.store.submit_ranges(self.files[f], [(o, s) for o, s, _ in fetch], landed)
 

@@ -132,9 +132,6 @@ class Walk:
         base = first * PAGE_BYTES
         return b"".join(parts)[lo - base : hi - base]
 
-    def buffer_length(self, buf: int) -> int:
-        return self.buffers[buf][1]
-
     def values(self, node: Node, buf: int, lo: int, hi: int) -> bool:
         """Ask for bytes [lo, hi) of value buffer `buf` into node.data: from pages when the
         buffer is dense, else as a range read. False when pages are missing."""
@@ -271,7 +268,7 @@ class BoolCodec(Codec):
     def walk(self, w: Walk, a: int, b: int) -> Node | None:
         self.check(w, a, b)
         ok, valid = self.validity(w, a, b)
-        if w.buffer_length(self.buffer + 1) < -(-b // 8):
+        if w.buffers[self.buffer + 1][1] < -(-b // 8):
             raise CorruptRow(self.path, "the values bitmap is shorter than the field (corrupt)")
         raw = w.structural(self.buffer + 1, a // 8, -(-b // 8))
         if raw is None or not ok:

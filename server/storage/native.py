@@ -39,14 +39,19 @@ class NativeReadPool:
     def threads(self) -> int:
         return self._pool.threads
 
-    def _future(self) -> tuple[int, asyncio.Future[bytes]]:
+    def _watch(self) -> asyncio.AbstractEventLoop:
+        """The running loop, watching the pool's eventfd (each loop that reads does)."""
         if self._closed:
             raise RuntimeError("the read pool is closed")
         loop = asyncio.get_running_loop()
-        if loop not in self._loops:  # each loop that reads watches the eventfd
+        if loop not in self._loops:
             self._loops = [lp for lp in self._loops if not lp.is_closed()]
             loop.add_reader(self._pool.fileno(), self._drain)
             self._loops.append(loop)
+        return loop
+
+    def _future(self) -> tuple[int, asyncio.Future[bytes]]:
+        loop = self._watch()
         self._token += 1
         fut = loop.create_future()
         self._futures[self._token] = fut
@@ -70,14 +75,7 @@ class NativeReadPool:
         """Read `ranges` of `fd` (or of `path`, opened per range when fd is None), all at
         once; `callback(parts, None)` when the last lands, or `callback(None, error)` at the
         first failure, called on the loop. No future per range: the hot path's cheapest."""
-        if self._closed:
-            raise RuntimeError("the read pool is closed")
-        loop = asyncio.get_running_loop()
-        if loop not in self._loops:
-            self._loops = [lp for lp in self._loops if not lp.is_closed()]
-            loop.add_reader(self._pool.fileno(), self._drain)
-            self._loops.append(loop)
-        group = _Group(loop, callback, len(ranges))
+        group = _Group(self._watch(), callback, len(ranges))
         for i, (offset, size) in enumerate(ranges):
             self._token += 1
             self._futures[self._token] = (group, i)  # type: ignore[assignment]
