@@ -64,6 +64,7 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--io-threads", type=int,
                    help=f"threads that wait on file-system reads, one pread each: file reads in flight at most "
                    f"(default {d.io_threads}, started on demand)")
+    _limits_arguments(p, d)
     g = p.add_argument_group("injected storage latency (benchmarks)")
     g.add_argument("--latency-ms", type=float, help="median latency added to every read (default none)")
     g.add_argument("--latency-distribution", choices=["lognormal", "uniform", "fixed"], help="(default lognormal)")
@@ -76,6 +77,51 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--log-format", choices=["text", "json"], help="(default text)")
     g.add_argument("--log-level", default="INFO")
     p.set_defaults(func=cmd_serve)
+
+
+#: Fair-limit flags: (flag, ServerConfig field, unit multiplier, help). 0 turns a limit off.
+_LIMIT_FLAGS = (
+    ("--max-streams", "max_streams", 1, "streams open at once on the whole server"),
+    ("--max-streams-per-client", "max_streams_per_client", 1,
+     "streams one client (its IP address, or its token once authenticated) may hold open"),
+    ("--max-streams-per-connection", "max_streams_per_connection", 1, "streams one connection may hold open"),
+    ("--stream-idle-timeout", "stream_idle_timeout_s", 1,
+     "seconds a stream may wait on a client that reads nothing before it is ended (RESOURCE_EXHAUSTED)"),
+    ("--max-buffered-total-mb", "max_total_buffered_bytes", 1 << 20,
+     "completed-but-unsent MiB over all streams; past it a stream reads on only while it holds under a chunk"),
+    ("--max-path-datasets", "max_path_datasets", 1,
+     "datasets opened by path kept open at once (least recently used unused ones close first)"),
+    ("--path-dataset-idle", "path_dataset_idle_s", 1, "seconds an unused dataset opened by path stays open"),
+    ("--max-request-kb", "max_request_bytes", 1 << 10, "largest request message in KiB"),
+    ("--keepalive-time", "keepalive_time_s", 1, "seconds between the server's keepalive pings"),
+    ("--keepalive-timeout", "keepalive_timeout_s", 1, "seconds a ping may go unanswered before the connection drops"),
+    ("--min-client-ping-interval", "min_client_ping_interval_s", 1,
+     "seconds a client must leave between pings (closer pings: GOAWAY too_many_pings)"),
+    ("--max-connection-idle", "max_connection_idle_s", 1, "seconds a connection without calls stays open"),
+    ("--max-connection-age", "max_connection_age_s", 1,
+     "seconds before a connection is told to go away (the Loader resumes on a new one)"),
+    ("--max-connection-age-grace", "max_connection_age_grace_s", 1,
+     "seconds calls of an aged connection get before they are cut"),
+)
+
+
+def _limits_arguments(p: argparse.ArgumentParser, d) -> None:
+    g = p.add_argument_group("fair limits (0 turns one off; README \"Limits\")")
+    for flag, name, unit, text in _LIMIT_FLAGS:
+        default = getattr(d, name) / unit
+        g.add_argument(flag, type=float, dest=f"limit_{name}", metavar="N",
+                       help=f"{text} (default {default:g})")
+    g.add_argument("--max-batch-size", type=int,
+                   help=f"largest batch_size a stream may ask for (default {d.limits.max_batch_size})")
+
+
+def _limits_changes(args: argparse.Namespace) -> dict:
+    changes = {}
+    for _flag, name, unit, _text in _LIMIT_FLAGS:
+        value = getattr(args, f"limit_{name}")
+        if value is not None:
+            changes[name] = value * unit if name.endswith("_s") else int(value * unit)
+    return changes
 
 
 def build_server_config(args: argparse.Namespace):
@@ -92,6 +138,7 @@ def build_server_config(args: argparse.Namespace):
         changes["datasets"] = tuple(args.datasets)
     if args.data_roots:
         changes["data_roots"] = tuple(args.data_roots)
+    changes.update(_limits_changes(args))
     if args.max_message_mb is not None:
         changes["max_message_bytes"] = args.max_message_mb << 20
     if args.storage_options:
@@ -103,7 +150,7 @@ def build_server_config(args: argparse.Namespace):
             options[key] = value
         changes["storage_options"] = options
     limits = {}
-    for name in ("max_reads_per_stream", "default_prefetch", "max_prefetch", "chunk_samples"):
+    for name in ("max_reads_per_stream", "default_prefetch", "max_prefetch", "chunk_samples", "max_batch_size"):
         if getattr(args, name) is not None:
             limits[name] = getattr(args, name)
     if args.max_buffered_mb is not None:

@@ -20,6 +20,7 @@ from croupier.v1 import croupier_pb2, croupier_pb2_grpc
 
 from .catalog import Catalog
 from .config import ServerConfig
+from .limits import StreamAdmission
 from .metrics import ServerMetrics
 from .service import CroupierService
 from .storage import LocalStore
@@ -61,11 +62,44 @@ def open_catalog(config: ServerConfig, executor: concurrent.futures.Executor, st
     catalog = Catalog(
         data_roots=config.data_roots, cache_dir=config.cache_dir, latency=config.latency, executor=executor, store=store,
         storage_options=config.storage_options,
+        max_path_datasets=config.max_path_datasets, path_idle_s=config.path_dataset_idle_s,
     )
     for spec in config.datasets:
         reader = catalog.add(spec)
         log.info("serving %s dataset %r: %d rows from %s", reader.info().format, reader.name, len(reader), reader.path)
     return catalog
+
+
+def grpc_options(config: ServerConfig) -> list[tuple[str, int]]:
+    """Channel arguments of the server: message sizes, keepalive, connection lifetime.
+
+    Keepalive pings find dead peers (a stalled stream sends no data, so nothing else
+    would); the ping policy must stay looser than the client's own keepalive
+    (client/wire.py CHANNEL_OPTIONS) or the client gets GOAWAY too_many_pings.
+    """
+    ms = lambda seconds: int(seconds * 1000)  # noqa: E731
+    options = [
+        ("grpc.max_send_message_length", config.max_message_bytes),
+        ("grpc.max_receive_message_length", config.max_request_bytes),
+        ("grpc.so_reuseport", 0),
+        ("grpc.http2.max_ping_strikes", 2),
+        # Keep pinging a connection whose streams are blocked (no data can move).
+        ("grpc.http2.max_pings_without_data", 0),
+        ("grpc.keepalive_permit_without_calls", 1),
+    ]
+    if config.keepalive_time_s:
+        options += [("grpc.keepalive_time_ms", ms(config.keepalive_time_s)),
+                    ("grpc.keepalive_timeout_ms", ms(config.keepalive_timeout_s or 20.0)),
+                    # grpc otherwise spaces pings without data 5 minutes apart.
+                    ("grpc.http2.min_ping_interval_without_data_ms", ms(config.keepalive_time_s))]
+    # A client may ping this often, data or not (grpc's own default is 5 minutes).
+    options.append(("grpc.http2.min_recv_ping_interval_without_data_ms", ms(config.min_client_ping_interval_s)))
+    if config.max_connection_idle_s:
+        options.append(("grpc.max_connection_idle_ms", ms(config.max_connection_idle_s)))
+    if config.max_connection_age_s:
+        options += [("grpc.max_connection_age_ms", ms(config.max_connection_age_s)),
+                    ("grpc.max_connection_age_grace_ms", ms(config.max_connection_age_grace_s))]
+    return options
 
 
 async def start(config: ServerConfig) -> RunningServer:
@@ -90,16 +124,11 @@ async def start(config: ServerConfig) -> RunningServer:
         executor=executor,
         metrics=metrics,
         max_message_bytes=config.max_message_bytes,
+        admission=StreamAdmission(config.max_streams, config.max_streams_per_client, config.max_streams_per_connection),
+        max_total_buffered_bytes=config.max_total_buffered_bytes,
+        stream_idle_timeout_s=config.stream_idle_timeout_s,
     )
-    server = grpc.aio.server(
-        options=[
-            ("grpc.max_send_message_length", config.max_message_bytes),
-            ("grpc.max_receive_message_length", config.max_message_bytes),
-            ("grpc.keepalive_time_ms", 30_000),
-            ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
-            ("grpc.so_reuseport", 0),
-        ]
-    )
+    server = grpc.aio.server(options=grpc_options(config))
     croupier_pb2_grpc.add_CroupierServicer_to_server(service, server)
     health_servicer = health_aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

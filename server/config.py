@@ -52,6 +52,33 @@ class ServerConfig:
     #: Seconds SIGTERM waits for open streams to finish before cancelling them.
     grace_s: float = 30.0
     max_message_bytes: int = 64 << 20
+    # Fair limits (README "Limits"); 0 turns a count or a timeout off.
+    #: Streams open at once over the whole server, per client identity, per connection.
+    max_streams: int = 1024
+    max_streams_per_client: int = 256
+    max_streams_per_connection: int = 128
+    #: A stream whose client read nothing for this long while data was ready is ended.
+    stream_idle_timeout_s: float = 120.0
+    #: Completed-but-unsent bytes over all streams; past it a stream reads on only while
+    #: it holds less than one chunk (so every stream still moves).
+    max_total_buffered_bytes: int = 1 << 30
+    #: Datasets opened by path kept open at once; unused ones close after the idle time.
+    max_path_datasets: int = 32
+    path_dataset_idle_s: float = 300.0
+    #: Largest request message (requests are small; this bounds parsing work).
+    max_request_bytes: int = 1 << 20
+    #: Keepalive: the server pings each connection every keepalive_time_s and drops it
+    #: when no answer comes in keepalive_timeout_s (dead peers); a client pinging more
+    #: often than min_client_ping_interval_s gets GOAWAY too_many_pings.
+    keepalive_time_s: float = 60.0
+    keepalive_timeout_s: float = 20.0
+    min_client_ping_interval_s: float = 10.0
+    #: A connection with no call for this long is closed (the client reconnects on demand).
+    max_connection_idle_s: float = 900.0
+    #: A connection is told to go away after this age; its calls get the grace to end,
+    #: then are cut (the Loader resumes at its next batch on a new connection).
+    max_connection_age_s: float = 3600.0
+    max_connection_age_grace_s: float = 60.0
     log_format: str = "text"  # or "json"
 
     def __post_init__(self) -> None:
@@ -61,6 +88,19 @@ class ServerConfig:
             raise ValueError(f"workers must be at least 1, got {self.workers}")
         if self.io_threads < 1:
             raise ValueError(f"io_threads must be at least 1, got {self.io_threads}")
+        for name in _NON_NEGATIVE:
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must not be negative (0 turns it off), got {getattr(self, name)}")
+        if self.max_request_bytes < 1024:
+            raise ValueError(f"max_request_bytes must be at least 1024, got {self.max_request_bytes}")
+
+
+_NON_NEGATIVE = (
+    "max_streams", "max_streams_per_client", "max_streams_per_connection", "stream_idle_timeout_s",
+    "max_total_buffered_bytes", "max_path_datasets", "path_dataset_idle_s", "keepalive_time_s",
+    "keepalive_timeout_s", "min_client_ping_interval_s", "max_connection_idle_s", "max_connection_age_s",
+    "max_connection_age_grace_s",
+)
 
 
 _LIMIT_FIELDS = {f.name for f in dataclasses.fields(FetchLimits)}

@@ -120,6 +120,9 @@ class ServerMetrics:
             "croupier_streams", "StreamEpoch calls by outcome (gRPC status name)", ["code"], registry=r
         )
         self.active_streams = Gauge("croupier_active_streams", "Streams open now", registry=r)
+        self.limit_refusals = Counter(
+            "croupier_limit_refusals", "Calls refused or streams ended by a fair limit", ["limit"], registry=r
+        )
 
     def serve_http(self, port: int, host: str = "127.0.0.1") -> int:
         """Start the /metrics endpoint in a thread; returns the bound port."""

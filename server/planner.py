@@ -193,14 +193,18 @@ class EpochPlan:
         """Global indices of `rank`'s `batch`, in position order."""
         return next(self.rank_batches(rank, batch, batch + 1))
 
-    def rank_batches(self, rank: int, start: int = 0, end: int | None = None, block: int = 32) -> Iterator[RankBatch]:
+    def rank_batches(
+        self, rank: int, start: int = 0, end: int | None = None, block: int = 32, block_samples: int = 1 << 16
+    ) -> Iterator[RankBatch]:
         """`rank`'s batches start..end-1 (end defaults to the epoch's end).
 
-        The permutation is evaluated for `block` batches at a time: one vectorised
-        call instead of one per batch, in memory bounded by the block, not by N.
+        The permutation is evaluated for `block` batches at a time (fewer when that
+        would pass `block_samples`): one vectorised call instead of one per batch, in
+        memory bounded by the block, not by N. One batch is never split.
         """
         self.check_rank(rank)
         end = self.num_batches if end is None else end
+        block = max(1, min(block, block_samples // self.batch_size))
         n = np.uint64(self.num_rows)
         for lo in range(start, end, block):
             batches = range(lo, min(lo + block, end))

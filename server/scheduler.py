@@ -17,7 +17,15 @@ Backpressure: the window only moves past a batch once all its samples were hande
 the consumer (the gRPC writer, which waits on HTTP/2 flow control), and no new read is
 issued while more than `max_buffered_bytes` of completed samples wait to be sent. A
 slow trainer therefore slows its own stream, and holds at most about
-`max_buffered_bytes` plus `max_reads_per_stream` samples of memory.
+`max_buffered_bytes` plus `max_reads_per_stream` samples of memory. Over all streams,
+a `BufferBudget` caps the total: past it, a stream issues reads only while it holds
+less than one chunk, so every stream still moves and stalled ones cannot grow.
+A stalled stream arms no timer and runs no loop: its issuer and sender both wait on
+events that only a sent chunk (the client reading) or a finished read sets.
+
+Planning is bounded per step: the planner evaluates at most `block_samples` indices at
+a time, and batches of `_OFFLOAD_BATCH_SIZE` samples or more are planned in the
+executor, so a huge batch never holds the event loop.
 
 Nothing here knows about gRPC: the service turns `Chunk`s into messages.
 """
@@ -58,9 +66,11 @@ class FetchLimits:
     default_prefetch: int = 16
     #: Largest prefetch a stream gets: larger requests (and defaults) are clamped to it.
     max_prefetch: int = 256
+    #: Largest batch_size a stream may ask for (a batch is planned and tracked whole).
+    max_batch_size: int = 1 << 18
 
     def __post_init__(self) -> None:
-        for name in ("max_reads_per_stream", "max_buffered_bytes", "chunk_samples", "chunk_bytes"):
+        for name in ("max_reads_per_stream", "max_buffered_bytes", "chunk_samples", "chunk_bytes", "max_batch_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
         if self.flush_delay_s < 0 or self.default_prefetch < 0 or self.max_prefetch < 0:
@@ -171,6 +181,38 @@ class ReadBudget:
                 self.available += 1
 
 
+class BufferBudget:
+    """Completed-but-unsent bytes over all streams of a server, against one limit.
+
+    Streams add what their reads complete and release what they send; a stream that
+    waits for room registers its wake-up event, set once the total is back under.
+    """
+
+    def __init__(self, limit: int):
+        if limit < 1:
+            raise ValueError(f"a buffer budget needs at least 1 byte, got {limit}")
+        self.limit = limit
+        self.used = 0
+        self._waiters: set[asyncio.Event] = set()
+
+    def release(self, nbytes: int) -> None:
+        self.used -= nbytes
+        if self._waiters and self.used <= self.limit:
+            waiters, self._waiters = self._waiters, set()
+            for event in waiters:
+                event.set()
+
+    def wait_for_room(self, event: asyncio.Event) -> None:
+        self._waiters.add(event)
+
+    def forget(self, event: asyncio.Event) -> None:
+        self._waiters.discard(event)
+
+
+#: Batches this large are planned in the executor (with their index lists), off the loop.
+_OFFLOAD_BATCH_SIZE = 4096
+
+
 class _TimerWheel:
     """Many delayed callbacks on one loop timer: a heap instead of a timer per sample."""
 
@@ -224,6 +266,10 @@ class ChunkTooLargeError(Exception):
     """One sample alone encodes to more than a message may carry."""
 
 
+class BatchSizeLimitError(Exception):
+    """A stream asked for batches larger than the server's max_batch_size."""
+
+
 #: Room for a chunk's tags (batch, position, index, padding) per sample, and fixed.
 _TAG_BYTES = 64
 _FRAME_BYTES = 4096
@@ -267,10 +313,16 @@ class Dealer:
         decode_images: bool = False,
         limits: FetchLimits = FetchLimits(),
         server_reads: ReadBudget | None = None,
+        server_buffer: BufferBudget | None = None,
         executor: concurrent.futures.Executor | None = None,
         observer: FetchObserver | None = None,
         max_message_bytes: int | None = None,
     ):
+        if plan.batch_size > limits.max_batch_size:
+            raise BatchSizeLimitError(
+                f"batch_size {plan.batch_size} is over the server's limit max_batch_size={limits.max_batch_size} "
+                "(raise it with `croupier serve --max-batch-size`)"
+            )
         self.reader = reader
         self.plan = plan
         self.span = span
@@ -283,6 +335,7 @@ class Dealer:
         self.decode_images = decode_images
         self.limits = limits
         self.server_reads = server_reads
+        self.server_buffer = server_buffer
         self.executor = executor
         self.observer = observer or _NoObserver()
 
@@ -324,6 +377,26 @@ class Dealer:
         finally:
             observer.read_finished(time.perf_counter() - t0, ok)
 
+    async def _batches(self) -> AsyncIterator[tuple[int, list[int], list[bool]]]:
+        """(batch, indices, padding) of this stream's batches, as plain lists.
+
+        Small batches are planned inline (a planner block is at most 64 Ki indices);
+        large ones in the executor, one batch per hop, so the loop never waits on them.
+        """
+        batches = self.plan.rank_batches(self.span.rank, self.span.start_batch, self.span.end_batch)
+        if self.plan.batch_size < _OFFLOAD_BATCH_SIZE:
+            for rb in batches:
+                yield rb.batch, rb.indices.tolist(), rb.padding.tolist()
+            return
+        loop = asyncio.get_running_loop()
+
+        def plan_next() -> tuple[int, list[int], list[bool]] | None:
+            rb = next(batches, None)
+            return None if rb is None else (rb.batch, rb.indices.tolist(), rb.padding.tolist())
+
+        while (item := await loop.run_in_executor(self.executor, plan_next)) is not None:
+            yield item
+
     def __aiter__(self) -> AsyncIterator[Chunk]:
         # Without I/O to overlap (memory-mapped Arrow, no injected latency) there is
         # nothing to reorder: both modes take the cheaper in-order path.
@@ -334,9 +407,9 @@ class Dealer:
         io = self.reader.read_does_io
         nbytes = self._nbytes
         pending = _Pending()
-        for rb in self.plan.rank_batches(self.span.rank, self.span.start_batch, self.span.end_batch):
-            last = len(rb.indices) - 1
-            for pos, (index, pad) in enumerate(zip(rb.indices.tolist(), rb.padding.tolist())):
+        async for batch, indices, padding in self._batches():
+            last = len(indices) - 1
+            for pos, (index, pad) in enumerate(zip(indices, padding)):
                 if not io:
                     item = await self.reader.read(index, self.columns)
                 elif self.server_reads is not None:
@@ -347,9 +420,9 @@ class Dealer:
                         self.server_reads.give()
                 else:
                     item = await self._timed_read(index)
-                pending.add(SampleRef(rb.batch, pos, index, pad), item, nbytes(item), 0.0)
+                pending.add(SampleRef(batch, pos, index, pad), item, nbytes(item), 0.0)
                 if pos == last:
-                    pending.completed.append(rb.batch)
+                    pending.completed.append(batch)
                     pending.urgent = True  # in order, every batch is the oldest when it completes
                 if pending.full(self.limits):
                     for chunk in await self._encode(pending):
@@ -365,6 +438,7 @@ class Dealer:
         observer = self.observer
         reader = self.reader
         server_reads = self.server_reads
+        budget = self.server_buffer
         sizer = self._nbytes
         columns = self.columns
         # Completed reads, in completion order: (ref, item, nbytes, error).
@@ -388,6 +462,8 @@ class Dealer:
                 server_reads.give()
             nbytes = sizer(item) if err is None else 0
             state["buffered"] += nbytes
+            if budget is not None:
+                budget.used += nbytes
             ready.append((ref, item, nbytes, err))
             got_ready.set()
             moved.set()
@@ -411,16 +487,24 @@ class Dealer:
                 item, err = None, exc
             complete(ref, item, err, t0)
 
+        def no_room() -> bool:
+            # Past the server-wide total, keep reading only while holding under a chunk.
+            if state["buffered"] > limits.max_buffered_bytes or state["in_flight"] >= limits.max_reads_per_stream:
+                return True
+            return budget is not None and budget.used > budget.limit and state["buffered"] >= limits.chunk_bytes
+
         async def issue() -> None:
-            for rb in self.plan.rank_batches(self.span.rank, self.span.start_batch, self.span.end_batch):
-                while rb.batch > state["oldest"] + self.prefetch:
+            async for batch, indices, padding in self._batches():
+                while batch > state["oldest"] + self.prefetch:
                     moved.clear()
                     await moved.wait()
-                unreceived[rb.batch] = unsent[rb.batch] = len(rb.indices)
-                for pos, (index, pad) in enumerate(zip(rb.indices.tolist(), rb.padding.tolist())):
-                    ref = SampleRef(rb.batch, pos, index, pad)
-                    while state["buffered"] > limits.max_buffered_bytes or state["in_flight"] >= limits.max_reads_per_stream:
+                unreceived[batch] = unsent[batch] = len(indices)
+                for pos, (index, pad) in enumerate(zip(indices, padding)):
+                    ref = SampleRef(batch, pos, index, pad)
+                    while no_room():
                         moved.clear()
+                        if budget is not None and budget.used > budget.limit:
+                            budget.wait_for_room(moved)
                         await moved.wait()
                     if server_reads is not None and not server_reads.try_take():
                         await server_reads.take()
@@ -489,12 +573,17 @@ class Dealer:
                     for ref in chunk.refs:
                         unsent[ref.batch] -= 1
                 state["buffered"] -= sent_bytes
+                if budget is not None:
+                    budget.release(sent_bytes)
                 while state["oldest"] < self.span.end_batch and unsent.get(state["oldest"]) == 0:
                     del unsent[state["oldest"]]
                     state["oldest"] += 1
                 moved.set()
         finally:
             state["closed"] = 1
+            if budget is not None:
+                budget.forget(moved)
+                budget.release(state["buffered"])
             issuer.cancel()
             timers.cancel_all()
             for task in list(reads):

@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
-from collections.abc import AsyncIterator
+import time
 
 import grpc
 
@@ -19,10 +19,20 @@ from croupier.v1 import croupier_pb2_grpc as pb_grpc
 
 from .catalog import Catalog, UnknownDatasetError
 from .convert import chunk_to_proto, dataset_info_to_proto, header_to_proto
+from .identity import client_identity, connection_identity
+from .limits import LIMIT_METADATA_KEY, LimitExceeded, StreamAdmission, StreamIdleError
 from .metrics import ServerMetrics
 from .planner import BatchRangeError, EpochPlan, PlanError
 from .readers.base import DatasetError, OutsideRootsError, UnknownColumnError
-from .scheduler import ChunkTooLargeError, Dealer, FetchLimits, ReadBudget, StreamRange
+from .scheduler import (
+    BatchSizeLimitError,
+    BufferBudget,
+    ChunkTooLargeError,
+    Dealer,
+    FetchLimits,
+    ReadBudget,
+    StreamRange,
+)
 
 log = logging.getLogger("croupier.server")
 
@@ -37,6 +47,8 @@ def status_for(exc: BaseException) -> grpc.StatusCode:
         (UnknownColumnError, grpc.StatusCode.INVALID_ARGUMENT),
         (DatasetError, grpc.StatusCode.DATA_LOSS),  # corrupt or truncated files and samples
         (ChunkTooLargeError, grpc.StatusCode.RESOURCE_EXHAUSTED),  # a sample over the message limit
+        (LimitExceeded, grpc.StatusCode.RESOURCE_EXHAUSTED),  # a fair limit (server/limits.py)
+        (BatchSizeLimitError, grpc.StatusCode.RESOURCE_EXHAUSTED),
         (FileNotFoundError, grpc.StatusCode.NOT_FOUND),
     ):
         if isinstance(exc, kind):
@@ -56,6 +68,45 @@ def _check_columns(info, columns) -> None:
         raise UnknownColumnError(f"dataset {info.name!r} has no column {missing[0]!r}; columns: {names}")
 
 
+class _IdleWatch:
+    """Writes a stream's messages, ending the stream when one waits too long.
+
+    A write waits on HTTP/2 flow control, so a write pending for `timeout_s` means
+    the client read nothing for that long while the server had data ready. One loop
+    timer per write, cancelled when it lands: a stalled stream has exactly one timer,
+    which fires once.
+    """
+
+    def __init__(self, context: grpc.aio.ServicerContext, timeout_s: float):
+        self.context = context
+        self.timeout_s = timeout_s
+        self.task = asyncio.current_task()
+        self.fired = False
+
+    def _fire(self) -> None:
+        self.fired = True
+        self.task.cancel()
+
+    async def write(self, message) -> None:
+        if not self.timeout_s or self.task is None:
+            await self.context.write(message)
+            return
+        handle = asyncio.get_running_loop().call_later(self.timeout_s, self._fire)
+        try:
+            await self.context.write(message)
+        except asyncio.CancelledError:
+            if not self.fired:
+                raise  # the client went away or the server is stopping
+            self.task.uncancel()
+            raise StreamIdleError(
+                "stream_idle_timeout_s", self.timeout_s, "--stream-idle-timeout",
+                f"the client read nothing for {self.timeout_s:g}s while data was ready; "
+                "the stream was ended to free its reads and buffers (resume at the next batch)",
+            ) from None
+        finally:
+            handle.cancel()
+
+
 class CroupierService(pb_grpc.CroupierServicer):
     def __init__(
         self,
@@ -66,9 +117,17 @@ class CroupierService(pb_grpc.CroupierServicer):
         executor: concurrent.futures.Executor,
         metrics: ServerMetrics,
         max_message_bytes: int | None = None,
+        admission: StreamAdmission | None = None,
+        max_total_buffered_bytes: int = 0,
+        stream_idle_timeout_s: float = 0.0,
     ):
         self.catalog = catalog
         self.limits = limits
+        self.admission = admission or StreamAdmission(0, 0, 0)
+        self.server_buffer = BufferBudget(max_total_buffered_bytes) if max_total_buffered_bytes else None
+        self.stream_idle_timeout_s = stream_idle_timeout_s
+        # limit name -> (monotonic time of its last log line, refusals not logged since)
+        self._refusal_log: dict[str, tuple[float, int]] = {}
         #: The server's gRPC send limit: chunks are split to stay under it.
         self.max_message_bytes = max_message_bytes
         self.server_reads = ReadBudget(max_reads)
@@ -79,11 +138,26 @@ class CroupierService(pb_grpc.CroupierServicer):
     async def _abort(self, context: grpc.aio.ServicerContext, exc: BaseException, what: str) -> None:
         code = status_for(exc)
         self.metrics.streams_total.labels(code.name).inc()
-        if code is grpc.StatusCode.INTERNAL:
+        if isinstance(exc, LimitExceeded):
+            self.metrics.limit_refusals.labels(exc.limit).inc()
+            context.set_trailing_metadata(((LIMIT_METADATA_KEY, exc.limit),))
+            self._log_refusal(exc, what)
+        elif code is grpc.StatusCode.INTERNAL:
             log.exception("%s failed", what, exc_info=exc)
         else:
             log.warning("%s: %s: %s", what, code.name, exc)
         await context.abort(code, str(exc))
+
+    def _log_refusal(self, exc: LimitExceeded, what: str) -> None:
+        """One line per limit per 10 s: an abusive client must not flood the log."""
+        now = time.monotonic()
+        last, quiet = self._refusal_log.get(exc.limit, (float("-inf"), 0))
+        if now - last < 10.0:
+            self._refusal_log[exc.limit] = (last, quiet + 1)
+            return
+        self._refusal_log[exc.limit] = (now, 0)
+        more = f" ({quiet} more refusals of this limit in the last {now - last:.0f}s)" if quiet else ""
+        log.warning("%s: RESOURCE_EXHAUSTED: %s%s", what, exc, more)
 
     async def ListDatasets(self, request: pb.ListDatasetsRequest, context) -> pb.ListDatasetsResponse:
         return pb.ListDatasetsResponse(datasets=[dataset_info_to_proto(i) for i in self.catalog.infos()])
@@ -91,23 +165,28 @@ class CroupierService(pb_grpc.CroupierServicer):
     async def DescribeDataset(self, request: pb.DescribeDatasetRequest, context) -> pb.DatasetInfo:
         try:
             reader = await self.catalog.get(request.name)
-        except (LookupError, DatasetError, OSError) as exc:
+        except (LookupError, DatasetError, OSError, LimitExceeded) as exc:
             await self._abort(context, exc, f"DescribeDataset({request.name!r})")
         return dataset_info_to_proto(reader.info())
 
-    async def StreamEpoch(
-        self, request: pb.StreamEpochRequest, context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[pb.StreamEpochResponse]:
+    async def StreamEpoch(self, request: pb.StreamEpochRequest, context: grpc.aio.ServicerContext) -> None:
+        # Written with context.write (not a generator) so that a write blocked on a
+        # client that stopped reading can time out and end the stream with a status.
         opts = StreamOptions.from_proto(request)
         what = f"StreamEpoch({opts.dataset!r} rank {opts.rank}/{opts.world_size} epoch {opts.epoch})"
+        try:
+            ticket = self.admission.admit(client_identity(context), connection_identity(context))
+        except LimitExceeded as exc:
+            await self._abort(context, exc, what)
         self.metrics.active_streams.inc()
         task = asyncio.current_task()
         if task is not None:
             self.active.add(task)
         outcome = "CANCELLED"  # unless the stream ends or aborts below
+        reader = None
         try:
             try:
-                reader = await self.catalog.get(opts.dataset)
+                reader = await self.catalog.acquire(opts.dataset)
                 plan = EpochPlan(
                     num_rows=len(reader),
                     seed=opts.seed,
@@ -128,31 +207,38 @@ class CroupierService(pb_grpc.CroupierServicer):
                     decode_images=opts.decode_images,
                     limits=self.limits,
                     server_reads=self.server_reads,
+                    server_buffer=self.server_buffer,
                     executor=self.executor,
                     observer=self.metrics.reads,
                     max_message_bytes=self.max_message_bytes,
                 )
-            except (LookupError, DatasetError, PlanError, OSError) as exc:
+            except (LookupError, DatasetError, PlanError, OSError, LimitExceeded, BatchSizeLimitError) as exc:
                 outcome = None
                 await self._abort(context, exc, what)
-                return
             name = reader.name
-            yield header_to_proto(reader.info(), plan, span)
+            writer = _IdleWatch(context, self.stream_idle_timeout_s)
+            chunks = aiter(dealer)
             try:
-                async for chunk in dealer:
-                    yield chunk_to_proto(chunk, plan.epoch)
+                await writer.write(header_to_proto(reader.info(), plan, span))
+                async for chunk in chunks:
+                    await writer.write(chunk_to_proto(chunk, plan.epoch))
                     self.metrics.samples.labels(name).inc(len(chunk.refs))
                     self.metrics.bytes.labels(name).inc(chunk.payload.nbytes)
                     self.metrics.chunks.labels(name).inc()
                     self.metrics.batches.labels(name).inc(len(chunk.completed_batches))
-            except (DatasetError, OSError, ChunkTooLargeError) as exc:
+            except (DatasetError, OSError, ChunkTooLargeError, StreamIdleError) as exc:
                 outcome = None
+                await chunks.aclose()  # its reads and buffers go now, not when the client reads
                 await self._abort(context, exc, what)
-                return
+            finally:
+                await chunks.aclose()
             outcome = "OK"
         finally:
-            # A client that goes away closes this generator (or cancels its task); the
-            # dealer's own cleanup has then cancelled this stream's reads, nothing else.
+            # A client that goes away cancels this task; the dealer's own cleanup
+            # (aclose above) has then cancelled this stream's reads, nothing else.
+            if reader is not None:
+                self.catalog.release(reader)
+            self.admission.release(ticket)
             if outcome is not None:
                 self.metrics.streams_total.labels(outcome).inc()
             if outcome == "CANCELLED":
