@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import logging
 import os
 import queue
 import random
@@ -30,7 +31,9 @@ from croupier.v1 import croupier_pb2 as pb
 
 from .assemble import BatchAssembler, ProtocolError, RawBatch
 from .samples import ImageDecode, collate_table, raw_batch_samples
-from .wire import RETRYABLE, Connection, size_limit_advice
+from .wire import FINAL_LIMITS, LIMIT_BACKOFF_S, RETRYABLE, Connection, limit_of, size_limit_advice
+
+log = logging.getLogger("croupier.client")
 
 
 class LoaderError(RuntimeError):
@@ -314,8 +317,11 @@ class Loader:
                 advice = size_limit_advice(code, exc.details() or "")
                 if advice is not None:  # the same message would break the limit again
                     raise LoaderError(f"{address}: {code.name}: {advice}", code) from None
-                if code not in RETRYABLE:
+                limit = limit_of(exc)
+                if code not in RETRYABLE or limit in FINAL_LIMITS:
                     raise LoaderError(f"{address}: {code.name}: {exc.details()}", code) from None
+                if limit is not None:  # a fair limit of the server: say so, and wait for it
+                    log.warning("%s refused or ended the stream: %s; retrying", address, exc.details())
                 failures += 1
                 self.stats.errors.append(f"{address}: {code.name}: {exc.details()}")
                 if failures > self.max_retries:
@@ -327,6 +333,8 @@ class Loader:
                 self.stats.reconnects += 1
                 server_i = (server_i + 1) % len(self.servers)
                 delay = min(self.max_backoff_s, self.retry_backoff_s * 2 ** (failures - 1))
+                if limit is not None and limit != "stream_idle_timeout_s":
+                    delay = max(delay, LIMIT_BACKOFF_S)  # the limit frees up as streams end, not in ms
                 await asyncio.sleep(delay * (0.5 + random.random() / 2))
             finally:
                 await conn.close()

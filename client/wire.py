@@ -23,17 +23,39 @@ RETRYABLE = frozenset(
     }
 )
 
+#: Trailing-metadata key a croupier server sets when a call ran into one of its fair
+#: limits (croupier.server.limits.LIMIT_METADATA_KEY); the value names the limit.
+LIMIT_METADATA_KEY = "croupier-limit"
+#: Limits that the same request would hit again: retrying cannot help.
+FINAL_LIMITS = frozenset({"max_batch_size"})
+#: A limit refusal is retried no sooner than this: the limit frees up as streams end.
+LIMIT_BACKOFF_S = 1.0
+
 MAX_RECEIVE_BYTES = 256 << 20
 
 CHANNEL_OPTIONS = [
     ("grpc.max_receive_message_length", MAX_RECEIVE_BYTES),
     ("grpc.max_send_message_length", 16 << 20),
+    # At least the server's --min-client-ping-interval (default 10 s), or the server
+    # answers GOAWAY too_many_pings; tests/test_limits.py checks the pair.
     ("grpc.keepalive_time_ms", 30_000),
+    ("grpc.keepalive_timeout_ms", 20_000),
     # Fail fast and let the Loader's own backoff decide when to try again.
     ("grpc.initial_reconnect_backoff_ms", 100),
     ("grpc.max_reconnect_backoff_ms", 1_000),
     ("grpc.enable_retries", 0),
 ]
+
+
+def limit_of(exc: grpc.aio.AioRpcError) -> str | None:
+    """The name of the server limit a failed call ran into (its RESOURCE_EXHAUSTED
+    carries it in the trailing metadata), or None."""
+    if exc.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:
+        return None
+    for key, value in exc.trailing_metadata() or ():
+        if key == LIMIT_METADATA_KEY:
+            return value if isinstance(value, str) else value.decode()
+    return None
 
 
 def size_limit_advice(code: grpc.StatusCode, details: str) -> str | None:

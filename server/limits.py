@@ -20,7 +20,7 @@ class LimitExceeded(Exception):
 
     def __init__(self, limit: str, value: float | int, flag: str, what: str):
         self.limit, self.value, self.flag = limit, value, flag
-        super().__init__(f"{what}: limit {limit}={value:g} reached (raise it with `croupier serve {flag}`)")
+        super().__init__(f"{what} (limit {limit}={value:g}; raise it with `croupier serve {flag}`)")
 
 
 class StreamIdleError(LimitExceeded):
@@ -54,19 +54,19 @@ class StreamAdmission:
             self._drop_zero(client, connection)
             raise LimitExceeded(
                 "max_streams_per_connection", self.per_connection, "--max-streams-per-connection",
-                f"too many streams on one connection ({self.per_connection} open from {connection})",
+                f"too many streams on one connection: {self.per_connection} open from {connection}",
             )
         if self.per_client and self.clients[client] >= self.per_client:
             self._drop_zero(client, connection)
             raise LimitExceeded(
                 "max_streams_per_client", self.per_client, "--max-streams-per-client",
-                f"too many streams from client {client!r} ({self.per_client} open)",
+                f"too many streams from client {client!r}: {self.per_client} open",
             )
         if self.max_streams and self.total >= self.max_streams:
             self._drop_zero(client, connection)
             raise LimitExceeded(
                 "max_streams", self.max_streams, "--max-streams",
-                f"the server has {self.total} streams open, its limit",
+                f"too many streams on this server: {self.total} open",
             )
         self.total += 1
         self.clients[client] += 1

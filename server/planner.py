@@ -32,6 +32,7 @@ from functools import cached_property
 import numpy as np
 
 _ROUNDS = 6
+_SLICE = 1 << 16
 _M1 = np.uint64(0xBF58476D1CE4E5B9)
 _M2 = np.uint64(0x94D049BB133111EB)
 
@@ -90,6 +91,13 @@ class Permutation:
         x = np.asarray(positions, dtype=np.uint64)
         if self.n == 1:
             return np.zeros_like(x)
+        if x.ndim == 1 and x.size > _SLICE:
+            # In slices: each numpy call then holds the GIL for a millisecond, not for
+            # the whole of a huge batch (planned in a worker thread, beside the loop).
+            return np.concatenate([self._walk(x[i : i + _SLICE]) for i in range(0, x.size, _SLICE)])
+        return self._walk(x)
+
+    def _walk(self, x: np.ndarray) -> np.ndarray:
         y = self._feistel(x)
         # Cycle-walk: the Feistel domain is up to 4n, so re-encrypt values that land
         # outside 0..n-1; the walk stays a bijection on 0..n-1 and ends in ~2 steps.

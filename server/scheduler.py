@@ -42,6 +42,7 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Protocol
 
+from .limits import LimitExceeded
 from .planner import BatchRangeError, EpochPlan
 from .readers.base import Payload, Reader
 from .readers.latency import TICK_S, on_tick
@@ -213,6 +214,12 @@ class BufferBudget:
 _OFFLOAD_BATCH_SIZE = 4096
 
 
+def _to_list(a: Any) -> list:
+    """ndarray.tolist() in slices, so a worker thread lets go of the GIL between them."""
+    step = 1 << 16
+    return a.tolist() if len(a) <= step else [v for i in range(0, len(a), step) for v in a[i : i + step].tolist()]
+
+
 class _TimerWheel:
     """Many delayed callbacks on one loop timer: a heap instead of a timer per sample."""
 
@@ -266,7 +273,7 @@ class ChunkTooLargeError(Exception):
     """One sample alone encodes to more than a message may carry."""
 
 
-class BatchSizeLimitError(Exception):
+class BatchSizeLimitError(LimitExceeded):
     """A stream asked for batches larger than the server's max_batch_size."""
 
 
@@ -320,8 +327,8 @@ class Dealer:
     ):
         if plan.batch_size > limits.max_batch_size:
             raise BatchSizeLimitError(
-                f"batch_size {plan.batch_size} is over the server's limit max_batch_size={limits.max_batch_size} "
-                "(raise it with `croupier serve --max-batch-size`)"
+                "max_batch_size", limits.max_batch_size, "--max-batch-size",
+                f"batch_size {plan.batch_size} is larger than this server plans",
             )
         self.reader = reader
         self.plan = plan
@@ -392,7 +399,7 @@ class Dealer:
 
         def plan_next() -> tuple[int, list[int], list[bool]] | None:
             rb = next(batches, None)
-            return None if rb is None else (rb.batch, rb.indices.tolist(), rb.padding.tolist())
+            return None if rb is None else (rb.batch, _to_list(rb.indices), _to_list(rb.padding))
 
         while (item := await loop.run_in_executor(self.executor, plan_next)) is not None:
             yield item

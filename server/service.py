@@ -24,15 +24,7 @@ from .limits import LIMIT_METADATA_KEY, LimitExceeded, StreamAdmission, StreamId
 from .metrics import ServerMetrics
 from .planner import BatchRangeError, EpochPlan, PlanError
 from .readers.base import DatasetError, OutsideRootsError, UnknownColumnError
-from .scheduler import (
-    BatchSizeLimitError,
-    BufferBudget,
-    ChunkTooLargeError,
-    Dealer,
-    FetchLimits,
-    ReadBudget,
-    StreamRange,
-)
+from .scheduler import BufferBudget, ChunkTooLargeError, Dealer, FetchLimits, ReadBudget, StreamRange
 
 log = logging.getLogger("croupier.server")
 
@@ -48,7 +40,6 @@ def status_for(exc: BaseException) -> grpc.StatusCode:
         (DatasetError, grpc.StatusCode.DATA_LOSS),  # corrupt or truncated files and samples
         (ChunkTooLargeError, grpc.StatusCode.RESOURCE_EXHAUSTED),  # a sample over the message limit
         (LimitExceeded, grpc.StatusCode.RESOURCE_EXHAUSTED),  # a fair limit (server/limits.py)
-        (BatchSizeLimitError, grpc.StatusCode.RESOURCE_EXHAUSTED),
         (FileNotFoundError, grpc.StatusCode.NOT_FOUND),
     ):
         if isinstance(exc, kind):
@@ -136,6 +127,18 @@ class CroupierService(pb_grpc.CroupierServicer):
         self.active: set[asyncio.Task] = set()
 
     async def _abort(self, context: grpc.aio.ServicerContext, exc: BaseException, what: str) -> None:
+        await context.abort(self._failed(context, exc, what), str(exc))
+
+    def _end(self, context: grpc.aio.ServicerContext, exc: BaseException, what: str) -> None:
+        """Set the status and let the handler return: unlike `abort`, which waits for
+        the status to be sent (never, to a client that reads nothing), the handler and
+        what it holds go now; grpc sends the status once the client reads or the
+        connection is reaped (keepalive, connection age)."""
+        context.set_code(self._failed(context, exc, what))
+        context.set_details(str(exc))
+
+    def _failed(self, context: grpc.aio.ServicerContext, exc: BaseException, what: str) -> grpc.StatusCode:
+        """Count and log a failure; returns its status."""
         code = status_for(exc)
         self.metrics.streams_total.labels(code.name).inc()
         if isinstance(exc, LimitExceeded):
@@ -146,7 +149,7 @@ class CroupierService(pb_grpc.CroupierServicer):
             log.exception("%s failed", what, exc_info=exc)
         else:
             log.warning("%s: %s: %s", what, code.name, exc)
-        await context.abort(code, str(exc))
+        return code
 
     def _log_refusal(self, exc: LimitExceeded, what: str) -> None:
         """One line per limit per 10 s: an abusive client must not flood the log."""
@@ -212,7 +215,7 @@ class CroupierService(pb_grpc.CroupierServicer):
                     observer=self.metrics.reads,
                     max_message_bytes=self.max_message_bytes,
                 )
-            except (LookupError, DatasetError, PlanError, OSError, LimitExceeded, BatchSizeLimitError) as exc:
+            except (LookupError, DatasetError, PlanError, OSError, LimitExceeded) as exc:
                 outcome = None
                 await self._abort(context, exc, what)
             name = reader.name
@@ -226,9 +229,12 @@ class CroupierService(pb_grpc.CroupierServicer):
                     self.metrics.bytes.labels(name).inc(chunk.payload.nbytes)
                     self.metrics.chunks.labels(name).inc()
                     self.metrics.batches.labels(name).inc(len(chunk.completed_batches))
-            except (DatasetError, OSError, ChunkTooLargeError, StreamIdleError) as exc:
+            except StreamIdleError as exc:
                 outcome = None
-                await chunks.aclose()  # its reads and buffers go now, not when the client reads
+                self._end(context, exc, what)
+                return
+            except (DatasetError, OSError, ChunkTooLargeError) as exc:
+                outcome = None
                 await self._abort(context, exc, what)
             finally:
                 await chunks.aclose()

@@ -23,8 +23,9 @@ REPO = Path(__file__).resolve().parent.parent
 class ServerProcess:
     """`croupier serve` in a subprocess on a loopback port."""
 
-    def __init__(self, args: list[str], tmp: Path, port: int = 0, env: dict | None = None):
+    def __init__(self, args: list[str], tmp: Path, port: int = 0, env: dict | None = None, host: str = "127.0.0.1"):
         self.args = args
+        self.host = host
         self.tmp = tmp
         self.port = port
         self.env = env
@@ -38,7 +39,7 @@ class ServerProcess:
 
     def start(self, timeout: float = 60.0) -> "ServerProcess":
         ready = self.tmp / f"ready-{time.monotonic_ns()}.json"
-        cmd = [sys.executable, "-m", "croupier.cli", "serve", *self.args, "--host", "127.0.0.1",
+        cmd = [sys.executable, "-m", "croupier.cli", "serve", *self.args, "--host", self.host,
                "--port", str(self.port), "--ready-file", str(ready)]
         self._logf = open(self.log, "w")
         self.proc = subprocess.Popen(cmd, stdout=self._logf, stderr=subprocess.STDOUT,
@@ -74,8 +75,9 @@ def serve_process(tmp_path: Path) -> Iterator:
     """Factory: serve_process(args) starts `croupier serve args` and stops it after the test."""
     started: list[ServerProcess] = []
 
-    def start(args: list[str], port: int = 0, env: dict | None = None) -> ServerProcess:
-        sp = ServerProcess(args, tmp_path, port, env).start()
+    def start(args: list[str], port: int = 0, env: dict | None = None, host: str = "127.0.0.1") -> ServerProcess:
+        """`host="localhost"` listens on 127.0.0.1 and ::1: two client identities on one machine."""
+        sp = ServerProcess(args, tmp_path, port, env, host).start()
         started.append(sp)
         return sp
 
