@@ -418,8 +418,8 @@ def test_the_client_keepalive_is_within_the_server_ping_policy() -> None:
 
 
 def test_the_loader_resumes_across_a_connection_age_cutover(serve_process, tmp_path) -> None:
-    rows = 600
-    data = write_blobs(tmp_path / "blobs.arrow", rows, 256)
+    rows = 3000
+    data = write_blobs(tmp_path / "blobs.arrow", rows, 8192)  # 24 MiB: more than the client's windows
     # The client pings every second, as often as this server allows: no GOAWAY too_many_pings.
     server = serve_process([f"blobs={data}", "--max-connection-age", "0.5", "--max-connection-age-grace", "0.3",
                             "--min-client-ping-interval", "1", "--prefetch", "1"])
@@ -428,11 +428,11 @@ def test_the_loader_resumes_across_a_connection_age_cutover(serve_process, tmp_p
     original = list(wire.CHANNEL_OPTIONS)
     wire.CHANNEL_OPTIONS[:] = [(k, 1000 if k == "grpc.keepalive_time_ms" else v) for k, v in original]
     try:
-        loader = Loader("blobs", servers=server.address, batch_size=10, retry_backoff_s=0.01, buffer_batches=1)
+        loader = Loader("blobs", servers=server.address, batch_size=30, retry_backoff_s=0.01, buffer_batches=1)
         got: list[int] = []
         for b in loader.batches():
             got.extend(int(i) for i in b.indices)
-            time.sleep(0.03)  # a slow trainer: 60 batches take about 2 s, several connection ages
+            time.sleep(0.02)  # a slow trainer: 100 batches take over 2 s, several connection ages
     finally:
         wire.CHANNEL_OPTIONS[:] = original
     assert sorted(got) == list(range(rows))
