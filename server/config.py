@@ -61,7 +61,7 @@ class ServerConfig:
     stream_idle_timeout_s: float = 120.0
     #: Completed-but-unsent bytes over all streams; past it a stream reads on only while
     #: it holds less than one chunk (so every stream still moves).
-    max_total_buffered_bytes: int = 1 << 30
+    max_total_buffered_bytes: int = 512 << 20
     #: Datasets opened by path kept open at once; unused ones close after the idle time.
     max_path_datasets: int = 32
     path_dataset_idle_s: float = 300.0

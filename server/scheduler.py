@@ -19,7 +19,8 @@ issued while more than `max_buffered_bytes` of completed samples wait to be sent
 slow trainer therefore slows its own stream, and holds at most about
 `max_buffered_bytes` plus `max_reads_per_stream` samples of memory. Over all streams,
 a `BufferBudget` caps the total: past it, a stream issues reads only while it holds
-less than one chunk, so every stream still moves and stalled ones cannot grow.
+less than one chunk (and has at most `chunk_samples` reads in flight), so every
+stream still moves and stalled ones cannot grow.
 A stalled stream arms no timer and runs no loop: its issuer and sender both wait on
 events that only a sent chunk (the client reading) or a finished read sets.
 
@@ -495,10 +496,12 @@ class Dealer:
             complete(ref, item, err, t0)
 
         def no_room() -> bool:
-            # Past the server-wide total, keep reading only while holding under a chunk.
             if state["buffered"] > limits.max_buffered_bytes or state["in_flight"] >= limits.max_reads_per_stream:
                 return True
-            return budget is not None and budget.used > budget.limit and state["buffered"] >= limits.chunk_bytes
+            # Past the server-wide total, read on only while holding under a chunk, with
+            # at most a chunk's samples in flight: every stream moves, none grows.
+            return (budget is not None and budget.used > budget.limit
+                    and (state["buffered"] >= limits.chunk_bytes or state["in_flight"] >= limits.chunk_samples))
 
         async def issue() -> None:
             async for batch, indices, padding in self._batches():

@@ -21,6 +21,7 @@ from .catalog import Catalog, UnknownDatasetError
 from .convert import chunk_to_proto, dataset_info_to_proto, header_to_proto
 from .identity import client_identity, connection_identity
 from .limits import LIMIT_METADATA_KEY, LimitExceeded, StreamAdmission, StreamIdleError
+from .memory import MemoryTrimmer
 from .metrics import ServerMetrics
 from .planner import BatchRangeError, EpochPlan, PlanError
 from .readers.base import DatasetError, OutsideRootsError, UnknownColumnError
@@ -117,6 +118,7 @@ class CroupierService(pb_grpc.CroupierServicer):
         self.admission = admission or StreamAdmission(0, 0, 0)
         self.server_buffer = BufferBudget(max_total_buffered_bytes) if max_total_buffered_bytes else None
         self.stream_idle_timeout_s = stream_idle_timeout_s
+        self.trimmer = MemoryTrimmer(executor)
         # limit name -> (monotonic time of its last log line, refusals not logged since)
         self._refusal_log: dict[str, tuple[float, int]] = {}
         #: The server's gRPC send limit: chunks are split to stay under it.
@@ -245,6 +247,7 @@ class CroupierService(pb_grpc.CroupierServicer):
             if reader is not None:
                 self.catalog.release(reader)
             self.admission.release(ticket)
+            self.trimmer.stream_ended()
             if outcome is not None:
                 self.metrics.streams_total.labels(outcome).inc()
             if outcome == "CANCELLED":

@@ -274,7 +274,7 @@ def test_the_server_wide_buffer_budget_bounds_stalled_streams_and_others_still_m
     wait_until(settled, what="stalled streams stopped buffering")
     # Each stalled stream alone may buffer 4 MiB (16 MiB together); the total stays at
     # the budget plus, per stream, a chunk and the reads it had in flight.
-    bound = total + stalled * (chunk + reads * (row_bytes + 64))
+    bound = total + stalled * (chunk + min(reads, FetchLimits().chunk_samples) * (row_bytes + 64))
     assert budget.used <= bound, (budget.used, bound)
     assert budget.used < stalled * per_stream / 2
     # A new client still gets its whole epoch while the budget is spent.
@@ -509,3 +509,40 @@ def test_thousands_of_stalled_streams_cost_no_cpu_and_another_client_gets_its_ep
     for ch in chans:
         loop.run_until_complete(ch.close())
     loop.close()
+
+
+def _rss_mb(pid: int) -> float:
+    return int(Path(f"/proc/{pid}/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def test_stalled_streams_hold_at_most_the_budget_and_give_it_back_when_they_end(serve_process, tmp_path) -> None:
+    data = write_blobs(tmp_path / "wide.arrow", 4000, 40_000)  # 160 MB of 40 KB rows
+    server = serve_process([f"wide={data}", "--max-buffered-total-mb", "128", "--metrics-port", "0"])
+    pid = server.proc.pid
+    base = _rss_mb(pid)
+
+    async def stall(n: int):
+        ch = channel(server.address, **{"grpc.http2.bdp_probe": 0})
+        stub = pb_grpc.CroupierStub(ch)
+        calls = [(await open_stream(stub, request("wide", batch_size=256, seed=k)))[0] for k in range(n)]
+        return ch, calls
+
+    loop = asyncio.new_event_loop()
+    ch, calls = loop.run_until_complete(stall(8))
+    # Each stream alone may buffer 64 MiB (512 MiB for 8); the server-wide budget holds them to
+    # 128 MiB plus, per stream, a chunk and a chunk's reads in flight (8 x ~3.5 MB).
+    samples = [_rss_mb(pid)]
+    for _ in range(120):  # until RSS holds still for a second (bounded: 60 s)
+        time.sleep(0.5)
+        samples.append(_rss_mb(pid))
+        if len(samples) > 3 and samples[-1] == samples[-3]:
+            break
+    held = samples[-1] - base
+    assert 128 <= held <= 128 + 8 * 4 + 80, f"8 stalled streams hold {held:.0f} MB"
+    for call in calls:
+        call.cancel()
+    loop.run_until_complete(ch.close())
+    loop.close()
+    wait_until(lambda: _metric(server.metrics_port, "croupier_active_streams") == 0, what="streams ended")
+    # Their memory goes back to the OS (malloc_trim), not only to the allocator.
+    wait_until(lambda: _rss_mb(pid) < base + 64, timeout=30, what=f"RSS back near {base:.0f} MB")
