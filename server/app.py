@@ -128,6 +128,7 @@ async def start(config: ServerConfig) -> RunningServer:
         max_total_buffered_bytes=config.max_total_buffered_bytes,
         stream_idle_timeout_s=config.stream_idle_timeout_s,
     )
+    catalog.on_close = lambda reader: service.trimmer.released()
     server = grpc.aio.server(options=grpc_options(config))
     croupier_pb2_grpc.add_CroupierServicer_to_server(service, server)
     health_servicer = health_aio.HealthServicer()

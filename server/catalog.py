@@ -77,6 +77,8 @@ class Catalog:
         self._idle_timers: dict[str, asyncio.TimerHandle] = {}
         #: Called with each dataset opened on demand (the server counts its store's reads).
         self.on_open: Callable[[Reader], None] | None = None
+        #: Called after a dataset opened by path was closed (the server trims memory).
+        self.on_close: Callable[[Reader], None] | None = None
 
     def _wrap(self, reader: Reader) -> Reader:
         if self.executor is not None:
@@ -225,6 +227,8 @@ class Catalog:
         if reader is not None:
             self._key_of.pop(id(reader), None)
             reader.close()
+            if self.on_close is not None:
+                self.on_close(reader)
 
     def path_datasets(self) -> list[str]:
         """Keys (real paths) of the datasets opened by path and still open."""

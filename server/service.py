@@ -247,7 +247,7 @@ class CroupierService(pb_grpc.CroupierServicer):
             if reader is not None:
                 self.catalog.release(reader)
             self.admission.release(ticket)
-            self.trimmer.stream_ended()
+            self.trimmer.released()
             if outcome is not None:
                 self.metrics.streams_total.labels(outcome).inc()
             if outcome == "CANCELLED":
