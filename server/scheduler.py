@@ -43,6 +43,7 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Protocol
 
+from .fairshare import FairShare
 from .limits import LimitExceeded
 from .planner import BatchRangeError, EpochPlan
 from .readers.base import Payload, Reader
@@ -325,6 +326,8 @@ class Dealer:
         executor: concurrent.futures.Executor | None = None,
         observer: FetchObserver | None = None,
         max_message_bytes: int | None = None,
+        fair: FairShare | None = None,
+        lane: str = "",
     ):
         if plan.batch_size > limits.max_batch_size:
             raise BatchSizeLimitError(
@@ -345,6 +348,9 @@ class Dealer:
         self.server_reads = server_reads
         self.server_buffer = server_buffer
         self.executor = executor
+        #: Encodes take turns by client (`lane`), not by stream.
+        self.fair = fair
+        self.lane = lane
         self.observer = observer or _NoObserver()
 
     @property
@@ -358,7 +364,16 @@ class Dealer:
         """One chunk, or several when its message would exceed `max_message_bytes`
         (rows larger than the estimate); `completed` rides on the last one."""
         loop = asyncio.get_running_loop()
-        payload = await loop.run_in_executor(self.executor, self.reader.encode, items, self.columns, self.decode_images)
+        if self.fair is None:
+            payload = await loop.run_in_executor(self.executor, self.reader.encode, items, self.columns, self.decode_images)
+        else:
+            await self.fair.acquire(self.lane)
+            try:
+                payload = await loop.run_in_executor(
+                    self.executor, self.reader.encode, items, self.columns, self.decode_images
+                )
+            finally:
+                self.fair.release()
         limit = self.max_message_bytes
         if limit is None or payload.nbytes + _TAG_BYTES * len(refs) + _FRAME_BYTES <= limit:
             return [Chunk(refs=refs, payload=payload, completed_batches=completed)]

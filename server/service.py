@@ -21,6 +21,7 @@ from .catalog import Catalog, UnknownDatasetError
 from .convert import chunk_to_proto, dataset_info_to_proto, header_to_proto
 from .identity import client_identity, connection_identity
 from .limits import LIMIT_METADATA_KEY, LimitExceeded, StreamAdmission, StreamIdleError
+from .fairshare import FairShare
 from .memory import MemoryTrimmer
 from .metrics import ServerMetrics
 from .planner import BatchRangeError, EpochPlan, PlanError
@@ -119,6 +120,8 @@ class CroupierService(pb_grpc.CroupierServicer):
         self.server_buffer = BufferBudget(max_total_buffered_bytes) if max_total_buffered_bytes else None
         self.stream_idle_timeout_s = stream_idle_timeout_s
         self.trimmer = MemoryTrimmer(executor)
+        # Encode turns by client: as many as the executor has threads.
+        self.fair = FairShare(getattr(executor, "_max_workers", 4))
         # limit name -> (monotonic time of its last log line, refusals not logged since)
         self._refusal_log: dict[str, tuple[float, int]] = {}
         #: The server's gRPC send limit: chunks are split to stay under it.
@@ -216,6 +219,8 @@ class CroupierService(pb_grpc.CroupierServicer):
                     executor=self.executor,
                     observer=self.metrics.reads,
                     max_message_bytes=self.max_message_bytes,
+                    fair=self.fair,
+                    lane=ticket.client,
                 )
             except (LookupError, DatasetError, PlanError, OSError, LimitExceeded) as exc:
                 outcome = None

@@ -23,6 +23,7 @@ import pytest
 from croupier.client import Loader, LoaderError
 from croupier.client.wire import CHANNEL_OPTIONS, LIMIT_METADATA_KEY
 from croupier.server.config import ServerConfig
+from croupier.server.fairshare import FairShare
 from croupier.server.identity import peer_host
 from croupier.server.limits import StreamAdmission
 from croupier.server.planner import EpochPlan, Permutation
@@ -107,6 +108,38 @@ def test_admission_counts_release_and_forget_idle_keys() -> None:
         adm.release(ticket)
     assert adm.total == 1 and "c1" not in adm.clients and not any(k.startswith("c1") for k in adm.connections)
     assert "c3" not in adm.clients  # a refusal leaves no key behind
+
+
+def test_fair_share_serves_clients_in_rotation_not_streams_in_arrival_order() -> None:
+    async def scenario():
+        fair = FairShare(slots=2)
+        served: list[str] = []
+
+        async def job(lane: str) -> None:
+            await fair.acquire(lane)
+            served.append(lane)
+            await asyncio.sleep(0)
+            fair.release()
+
+        # Both turns are taken; the abuser's 50 jobs queue first, the other client's 3 after.
+        await fair.acquire("abuser")
+        await fair.acquire("abuser")
+        tasks = [asyncio.ensure_future(job("abuser")) for _ in range(50)]
+        await asyncio.sleep(0)
+        tasks += [asyncio.ensure_future(job("other")) for _ in range(3)]
+        cancelled = asyncio.ensure_future(job("abuser"))
+        await asyncio.sleep(0)
+        cancelled.cancel()  # a waiter that goes away gives up its place
+        await asyncio.sleep(0)
+        fair.release()
+        fair.release()
+        await asyncio.gather(*tasks)
+        return served, fair.free
+
+    served, free = asyncio.run(scenario())
+    assert free == 2 and len(served) == 53
+    # In arrival order the other client would be served 51st to 53rd; in rotation it alternates.
+    assert [i for i, lane in enumerate(served) if lane == "other"] == [1, 3, 5]
 
 
 # ---- stream counts ----------------------------------------------------------------
