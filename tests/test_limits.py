@@ -142,6 +142,31 @@ def test_fair_share_serves_clients_in_rotation_not_streams_in_arrival_order() ->
     assert [i for i, lane in enumerate(served) if lane == "other"] == [1, 3, 5]
 
 
+def test_every_limit_has_a_flag_a_yaml_key_and_help(tmp_path) -> None:
+    from croupier.cli import _LIMIT_FLAGS, build_server_config, make_parser
+    from croupier.server.config import load_config_file
+
+    def value(name: str) -> float:
+        return 2.5 if name.endswith("_s") else 7000
+
+    yaml_text = "\n".join(f"{name}: {value(name)}" for _, name, _, _ in _LIMIT_FLAGS)
+    (tmp_path / "server.yaml").write_text(yaml_text + "\nmax_batch_size: 99\n")
+    config = load_config_file(tmp_path / "server.yaml")
+    for _, name, _, _ in _LIMIT_FLAGS:
+        assert getattr(config, name) == value(name), name
+    assert config.limits.max_batch_size == 99
+    args = make_parser().parse_args(["serve", "--config", str(tmp_path / "server.yaml"), "--max-streams-per-client", "3",
+                                     "--stream-idle-timeout", "0", "--max-buffered-total-mb", "2", "--max-batch-size", "5"])
+    config = build_server_config(args)
+    assert (config.max_streams_per_client, config.stream_idle_timeout_s, config.max_total_buffered_bytes,
+            config.limits.max_batch_size, config.max_streams) == (3, 0.0, 2 << 20, 5, 7000)
+    help_text = make_parser()._subparsers._group_actions[0].choices["serve"].format_help()
+    for flag, *_ in _LIMIT_FLAGS:
+        assert flag in help_text
+    with pytest.raises(ValueError, match="max_streams_per_client must not be negative"):
+        ServerConfig(max_streams_per_client=-1)
+
+
 # ---- stream counts ----------------------------------------------------------------
 
 
