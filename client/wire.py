@@ -70,6 +70,8 @@ def size_limit_advice(code: grpc.StatusCode, details: str) -> str | None:
             f"({MAX_RECEIVE_BYTES >> 20} MiB); start the server with `--max-message-mb` at most that "
             "(it splits chunks to fit)"
         )
+    if details.startswith("SERVER: Received message"):  # the server's grpc refused the request
+        return f"{details}: the request is over the server's `croupier serve --max-request-kb`"
     if details.startswith("Sent message"):  # the server's grpc refused to send it
         return f"{details}: raise the server's `croupier serve --max-message-mb`"
     return details  # croupier's own message names the limit

@@ -359,6 +359,15 @@ def test_a_batch_over_max_batch_size_is_refused_at_once_and_not_retried(serve_in
     loader.close()
 
 
+def test_a_request_over_max_request_bytes_is_refused_at_once_naming_the_flag(serve_inprocess) -> None:
+    st = serve_inprocess(datasets=["d=synthetic:100:8"])
+    loader = Loader("x" * (2 << 20), servers=st.address, batch_size=10)
+    with pytest.raises(LoaderError, match=r"larger than max \(\d+ vs. 1048576\).*--max-request-kb"):
+        next(iter(loader))
+    assert loader.stats.reconnects == 0
+    loader.close()
+
+
 def test_planning_evaluates_a_bounded_number_of_indices_per_step(monkeypatch) -> None:
     sizes: list[int] = []
     original = Permutation.__call__
