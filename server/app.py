@@ -20,6 +20,7 @@ from croupier.v1 import croupier_pb2, croupier_pb2_grpc
 
 from .catalog import Catalog
 from .config import ServerConfig
+from .decode_guard import DecodeGuard
 from .metrics import ServerMetrics
 from .service import CroupierService
 from .storage import LocalStore
@@ -92,6 +93,7 @@ async def start(config: ServerConfig) -> RunningServer:
         max_message_bytes=config.max_message_bytes,
     )
     server = grpc.aio.server(
+        interceptors=[DecodeGuard()],
         options=[
             ("grpc.max_send_message_length", config.max_message_bytes),
             ("grpc.max_receive_message_length", config.max_message_bytes),

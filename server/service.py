@@ -44,6 +44,27 @@ def status_for(exc: BaseException) -> grpc.StatusCode:
     return grpc.StatusCode.INTERNAL
 
 
+#: Longest dataset name or path a request may carry (Linux's PATH_MAX).
+MAX_NAME_CHARS = 4096
+#: Status details and log lines are cut to this: a client's 8 KiB metadata limit would
+#: otherwise turn a long message into RESOURCE_EXHAUSTED on its side, and every refused
+#: request would cost the log twice its name.
+MAX_DETAIL_CHARS = 1024
+
+
+class RequestTooLargeError(PlanError):
+    """A field of the request is larger than any real one (INVALID_ARGUMENT)."""
+
+
+def shorten(text: str, limit: int = MAX_DETAIL_CHARS) -> str:
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text) - limit:,} more characters)"
+
+
+def _check_name(name: str) -> None:
+    if len(name) > MAX_NAME_CHARS:
+        raise RequestTooLargeError(f"dataset name of {len(name):,} characters is too long (at most {MAX_NAME_CHARS:,})")
+
+
 def _check_columns(info, columns) -> None:
     """Refuse unknown columns before the stream starts, not at its first chunk."""
     if not columns:
@@ -79,27 +100,29 @@ class CroupierService(pb_grpc.CroupierServicer):
     async def _abort(self, context: grpc.aio.ServicerContext, exc: BaseException, what: str) -> None:
         code = status_for(exc)
         self.metrics.streams_total.labels(code.name).inc()
+        details = shorten(str(exc))
         if code is grpc.StatusCode.INTERNAL:
             log.exception("%s failed", what, exc_info=exc)
         else:
-            log.warning("%s: %s: %s", what, code.name, exc)
-        await context.abort(code, str(exc))
+            log.warning("%s: %s: %s", what, code.name, details)
+        await context.abort(code, details)
 
     async def ListDatasets(self, request: pb.ListDatasetsRequest, context) -> pb.ListDatasetsResponse:
         return pb.ListDatasetsResponse(datasets=[dataset_info_to_proto(i) for i in self.catalog.infos()])
 
     async def DescribeDataset(self, request: pb.DescribeDatasetRequest, context) -> pb.DatasetInfo:
         try:
+            _check_name(request.name)
             reader = await self.catalog.get(request.name)
-        except (LookupError, DatasetError, OSError) as exc:
-            await self._abort(context, exc, f"DescribeDataset({request.name!r})")
+        except (LookupError, DatasetError, OSError, PlanError) as exc:
+            await self._abort(context, exc, f"DescribeDataset({shorten(repr(request.name), 200)})")
         return dataset_info_to_proto(reader.info())
 
     async def StreamEpoch(
         self, request: pb.StreamEpochRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.StreamEpochResponse]:
         opts = StreamOptions.from_proto(request)
-        what = f"StreamEpoch({opts.dataset!r} rank {opts.rank}/{opts.world_size} epoch {opts.epoch})"
+        what = f"StreamEpoch({shorten(repr(opts.dataset), 200)} rank {opts.rank}/{opts.world_size} epoch {opts.epoch})"
         self.metrics.active_streams.inc()
         task = asyncio.current_task()
         if task is not None:
@@ -107,6 +130,7 @@ class CroupierService(pb_grpc.CroupierServicer):
         outcome = "CANCELLED"  # unless the stream ends or aborts below
         try:
             try:
+                _check_name(opts.dataset)
                 reader = await self.catalog.get(opts.dataset)
                 plan = EpochPlan(
                     num_rows=len(reader),
