@@ -72,6 +72,9 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     g = p.add_argument_group("lifecycle and logs")
     g.add_argument("--grace", type=float, dest="grace_s",
                    help="seconds SIGTERM lets open streams finish (default 30)")
+    g.add_argument("--drain-notice", type=float, dest="drain_notice_s",
+                   help="seconds a draining server keeps its port open after SIGTERM, answering health checks "
+                   "NOT_SERVING and new streams UNAVAILABLE, even with no stream open (default 2; at most --grace)")
     g.add_argument("--ready-file", help="write {port, metrics_port, pid} as JSON here once serving")
     g.add_argument("--log-format", choices=["text", "json"], help="(default text)")
     g.add_argument("--log-level", default="INFO")
@@ -84,7 +87,7 @@ def build_server_config(args: argparse.Namespace):
     config = load_config_file(args.config) if args.config else ServerConfig()
     changes: dict = {}
     for name in ("host", "port", "metrics_port", "metrics_host", "cache_dir", "max_reads", "workers", "io_threads",
-                 "grace_s", "log_format"):
+                 "grace_s", "drain_notice_s", "log_format"):
         value = getattr(args, name)
         if value is not None:
             changes[name] = value

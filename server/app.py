@@ -49,11 +49,20 @@ class RunningServer:
         return f"[{host}]:{self.port}" if ":" in host else f"{host}:{self.port}"
 
     async def stop(self, grace: float | None = None) -> None:
-        """Stop taking new streams, let open ones finish for `grace` seconds, then exit."""
+        """Drain: health NOT_SERVING and new streams refused first, so load balancers and
+        clients move to another replica; open streams get up to `grace` seconds to finish
+        while the port stays open; then whatever is left is cancelled."""
         grace = self.config.grace_s if grace is None else grace
+        loop = asyncio.get_running_loop()
+        started = loop.time()
         await self.health.enter_graceful_shutdown()
+        self.service.draining = True
         log.info("draining %d open stream(s) for up to %.1fs", len(self.service.active), grace)
-        await self.server.stop(grace)
+        if self.service.active and grace > 0:
+            await asyncio.wait(list(self.service.active), timeout=grace)
+        # Even with nothing open, stay reachable for the notice so a health check sees the drain.
+        await asyncio.sleep(max(0.0, min(self.config.drain_notice_s, grace) - (loop.time() - started)))
+        await self.server.stop(max(0.0, grace - (loop.time() - started)))
         self.executor.shutdown(wait=False, cancel_futures=True)
         self.catalog.close()
 

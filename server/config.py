@@ -51,6 +51,10 @@ class ServerConfig:
     latency: LatencySpec | None = None
     #: Seconds SIGTERM waits for open streams to finish before cancelling them.
     grace_s: float = 30.0
+    #: Seconds a draining server keeps answering (health NOT_SERVING, new streams
+    #: UNAVAILABLE) even once no stream is open, so health checkers and clients see the
+    #: drain instead of a refused connection. At most grace_s.
+    drain_notice_s: float = 2.0
     max_message_bytes: int = 64 << 20
     log_format: str = "text"  # or "json"
 
@@ -59,6 +63,8 @@ class ServerConfig:
             raise ValueError(f"max_reads must be at least 1, got {self.max_reads}")
         if self.workers < 1:
             raise ValueError(f"workers must be at least 1, got {self.workers}")
+        if self.grace_s < 0 or self.drain_notice_s < 0:
+            raise ValueError(f"grace and drain_notice must be >= 0 seconds, got {self.grace_s} and {self.drain_notice_s}")
         if self.io_threads < 1:
             raise ValueError(f"io_threads must be at least 1, got {self.io_threads}")
 

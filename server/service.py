@@ -96,6 +96,8 @@ class CroupierService(pb_grpc.CroupierServicer):
         self.executor = executor
         self.metrics = metrics
         self.active: set[asyncio.Task] = set()
+        #: Set by a graceful stop: open streams finish, new ones go to another replica.
+        self.draining = False
 
     async def _abort(self, context: grpc.aio.ServicerContext, exc: BaseException, what: str) -> None:
         code = status_for(exc)
@@ -121,6 +123,10 @@ class CroupierService(pb_grpc.CroupierServicer):
     async def StreamEpoch(
         self, request: pb.StreamEpochRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.StreamEpochResponse]:
+        if self.draining:
+            self.metrics.streams_total.labels("UNAVAILABLE").inc()
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the server is draining (shutting down): "
+                                "ask another replica, or this one once it is back")
         opts = StreamOptions.from_proto(request)
         what = f"StreamEpoch({shorten(repr(opts.dataset), 200)} rank {opts.rank}/{opts.world_size} epoch {opts.epoch})"
         self.metrics.active_streams.inc()
