@@ -4,6 +4,7 @@ building records, and decoding on the server when a client asks for it."""
 from __future__ import annotations
 
 import io
+import struct
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -65,19 +66,22 @@ def sniff_format(data: bytes) -> str | None:
 _JPEG_SOF = frozenset(range(0xC0, 0xD0)) - {0xC4, 0xC8, 0xCC}
 #: Markers that stand alone, without a length (TEM, RST0..7, SOI).
 _JPEG_STANDALONE = frozenset((0x01, *range(0xD0, 0xD8), 0xD8))
+_MARKER = struct.Struct(">BBH")  # 0xFF, marker, segment length
+_U16 = struct.Struct(">H")
 
 
 def _jpeg_problem(data: bytes) -> str | None:
     """Walk the header segments to the start of scan: each has a length that fits, a
     frame header (SOF) gives a non-zero size, and an end-of-image marker follows the
-    scan (a few segments: microseconds, whatever the image's size)."""
+    scan (about ten segments: a few microseconds, whatever the image's size)."""
     n, i, sized = len(data), 2, False
+    unpack = _U16.unpack_from
     for _ in range(4096):  # bounded: real headers have tens of segments
         if i + 4 > n:
             return "the file ends inside its header (truncated?)"
-        if data[i] != 0xFF:
+        ff, marker, length = _MARKER.unpack_from(data, i)
+        if ff != 0xFF:
             return f"no segment marker at byte {i} of its header (corrupt)"
-        marker = data[i + 1]
         if marker == 0xFF:  # fill byte before a marker
             i += 1
             continue
@@ -86,19 +90,18 @@ def _jpeg_problem(data: bytes) -> str | None:
             continue
         if marker == 0xD9:
             return "it ends (end-of-image marker) before any image data"
-        length = int.from_bytes(data[i + 2 : i + 4], "big")
         if length < 2 or i + 2 + length > n:
             return f"the header segment at byte {i} runs past the end of the file (truncated?)"
-        if marker in _JPEG_SOF:
-            if length < 8 or not int.from_bytes(data[i + 5 : i + 7], "big") or not int.from_bytes(data[i + 7 : i + 9], "big"):
-                return "its frame header declares a zero width or height"
-            sized = True
-        elif marker == 0xDA:  # start of scan: entropy-coded data, then EOI
+        if marker == 0xDA:  # start of scan: entropy-coded data, then EOI
             if not sized:
                 return "image data starts before any frame header (SOF)"
             if data.rfind(b"\xff\xd9", i + 2 + length) < 0:
                 return "no end-of-image marker after its image data (truncated or overwritten?)"
             return None
+        if marker in _JPEG_SOF:
+            if length < 8 or not unpack(data, i + 5)[0] or not unpack(data, i + 7)[0]:
+                return "its frame header declares a zero width or height"
+            sized = True
         i += 2 + length
     return "its header has too many segments (corrupt)"
 

@@ -217,8 +217,8 @@ class ParquetReader(Reader):
                 raise DatasetError(f"{url} is a Parquet file with an encrypted footer, which croupier cannot read")
             if magic != _MAGIC:
                 raise DatasetError(
-                    f"{url} is not a readable Parquet file (corrupt or truncated?): it ends with {bytes(magic)!r}, "
-                    f"not the magic {_MAGIC!r}"
+                    # The bytes it ends with are not echoed: a message may reach a client.
+                    f"{url} is not a readable Parquet file (corrupt or truncated?): it does not end with the magic {_MAGIC!r}"
                 )
             footer_len = int.from_bytes(tail[-8:-4], "little")
             if footer_len + _MIN_FILE_BYTES > size:
