@@ -38,7 +38,7 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     g = p.add_argument_group("data")
     g.add_argument("--data-root", action="append", dest="data_roots",
                    help="folder clients may stream paths from (a relative path is looked up under each in "
-                   "turn); dataset paths must lie under one (repeatable)")
+                   "turn); dataset paths, and every file a dataset reads, must lie under one (repeatable)")
     g.add_argument("--cache-dir", help="where tar offset indexes go when the data folder is read-only")
     g.add_argument("--follow-symlinks-outside-roots", action="store_true", default=None,
                    help="let links inside a dataset point outside its roots (default: refused; a dataset's "

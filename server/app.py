@@ -75,6 +75,10 @@ def open_catalog(config: ServerConfig, executor: concurrent.futures.Executor, st
             log.error("dataset %r is NOT served: %s", name, one_line(exc))
             continue
         log.info("serving %s dataset %r: %d rows from %s", reader.info().format, reader.name, len(reader), reader.path)
+    if config.datasets and not catalog.names() and not config.data_roots:
+        # Nothing could ever be served: a start would only hide the mistake.
+        first = next(iter(catalog.failed.items()), ("?", "?"))
+        raise DatasetError(f"none of the {len(config.datasets)} datasets could be opened; {first[0]!r}: {first[1]}")
     return catalog
 
 

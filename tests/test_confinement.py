@@ -145,7 +145,7 @@ def test_links_that_stay_inside_the_roots_are_followed(serve_inprocess, root: Pa
     assert len(_rows(srv.address, "imgs")) == 4 + 1 + 2
     assert sorted(_rows(srv.address, "tables")) == [0, 0, 1, 1, 2, 2]
     # A named dataset may link across its own folder too (no data roots).
-    srv2 = serve_inprocess(datasets=[f"t={root / 'tables'}"], data_roots=[])
+    srv2 = serve_inprocess(datasets=[f"t={root / 'tables'}", "ok=synthetic:4"])
     with pytest.raises(LoaderError) as info:  # ../store is outside the folder 'tables'
         _rows(srv2.address, "t")
     assert info.value.code == grpc.StatusCode.FAILED_PRECONDITION and "part-0.arrow" in str(info.value)

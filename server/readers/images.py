@@ -115,8 +115,10 @@ def image_problem(data: bytes, fmt: str) -> str | None:
     if fmt == "jpeg":
         return _jpeg_problem(data)
     if fmt == "png":
-        if n < 33 or data[12:16] != b"IHDR":
-            return "no IHDR header chunk (truncated or corrupt)"
+        if n < 33:
+            return "the file ends inside its header (truncated?)"
+        if data[12:16] != b"IHDR":
+            return "no IHDR header chunk (corrupt)"
         if not int.from_bytes(data[16:20], "big") or not int.from_bytes(data[20:24], "big"):
             return "its header declares a zero width or height"
         if data.rfind(b"IEND", 33) < 0:

@@ -218,7 +218,7 @@ class ParquetReader(Reader):
             if magic != _MAGIC:
                 raise DatasetError(
                     # The bytes it ends with are not echoed: a message may reach a client.
-                    f"{url} is not a readable Parquet file (corrupt or truncated?): it does not end with the magic {_MAGIC!r}"
+                    f"{url} is not a readable Parquet file (corrupt or truncated?): its last 4 bytes are not the magic {_MAGIC!r}"
                 )
             footer_len = int.from_bytes(tail[-8:-4], "little")
             if footer_len + _MIN_FILE_BYTES > size:
