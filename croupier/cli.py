@@ -93,10 +93,13 @@ def build_server_config(args: argparse.Namespace):
     config = load_config_file(args.config) if args.config else ServerConfig()
     changes: dict = {}
     for name in ("host", "port", "metrics_port", "metrics_host", "cache_dir", "max_reads", "workers", "io_threads",
-                 "grace_s", "log_format", "follow_symlinks_outside_roots", "strict_datasets", "verify_images"):
+                 "grace_s", "log_format"):
         value = getattr(args, name)
         if value is not None:
             changes[name] = value
+    for name in ("follow_symlinks_outside_roots", "strict_datasets", "verify_images"):  # confinement, bad data
+        if getattr(args, name) is not None:
+            changes[name] = getattr(args, name)
     if args.datasets:
         changes["datasets"] = tuple(args.datasets)
     if args.data_roots:
