@@ -38,8 +38,17 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     g = p.add_argument_group("data")
     g.add_argument("--data-root", action="append", dest="data_roots",
                    help="folder clients may stream paths from (a relative path is looked up under each in "
-                   "turn); dataset paths must lie under one (repeatable)")
+                   "turn); dataset paths, and every file a dataset reads, must lie under one (repeatable)")
     g.add_argument("--cache-dir", help="where tar offset indexes go when the data folder is read-only")
+    g.add_argument("--follow-symlinks-outside-roots", action="store_true", default=None,
+                   help="let links inside a dataset point outside its roots (default: refused; a dataset's "
+                   "roots are the --data-root folders, or without any, the dataset's own folder)")
+    g.add_argument("--strict-datasets", action="store_true", default=None,
+                   help="fail the start when a DATASET cannot be opened (default: log it, leave it unserved "
+                   "and serve the others; clients asking for it get FAILED_PRECONDITION)")
+    g.add_argument("--verify-images", action="store_true", default=None,
+                   help="decode every image on the server before sending it (default: a cheap check of each "
+                   "image's structure: signature, header, end marker, declared size)")
     g.add_argument("--storage-option", action="append", dest="storage_options", metavar="KEY=VALUE",
                    help="object-store setting for s3:// (gs://, az://) datasets, over the AWS_* environment "
                    "variables the cloud SDKs read: endpoint, region, access_key_id, secret_access_key, "
@@ -91,6 +100,9 @@ def build_server_config(args: argparse.Namespace):
         value = getattr(args, name)
         if value is not None:
             changes[name] = value
+    for name in ("follow_symlinks_outside_roots", "strict_datasets", "verify_images"):  # confinement, bad data
+        if getattr(args, name) is not None:
+            changes[name] = getattr(args, name)
     if args.datasets:
         changes["datasets"] = tuple(args.datasets)
     if args.data_roots:

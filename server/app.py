@@ -18,10 +18,11 @@ from grpc_reflection.v1alpha import reflection
 
 from croupier.v1 import croupier_pb2, croupier_pb2_grpc
 
-from .catalog import Catalog
+from .catalog import Catalog, one_line
 from .config import ServerConfig
 from .decode_guard import DecodeGuard
 from .metrics import ServerMetrics
+from .readers.base import DatasetError
 from .service import CroupierService
 from .storage import LocalStore
 
@@ -70,11 +71,24 @@ class RunningServer:
 def open_catalog(config: ServerConfig, executor: concurrent.futures.Executor, store: LocalStore | None = None) -> Catalog:
     catalog = Catalog(
         data_roots=config.data_roots, cache_dir=config.cache_dir, latency=config.latency, executor=executor, store=store,
-        storage_options=config.storage_options,
+        storage_options=config.storage_options, follow_symlinks_outside_roots=config.follow_symlinks_outside_roots,
+        verify_images=config.verify_images,
     )
     for spec in config.datasets:
-        reader = catalog.add(spec)
+        try:
+            reader = catalog.add(spec)
+        except (DatasetError, OSError) as exc:
+            if config.strict_datasets:
+                raise DatasetError(f"dataset {spec!r} cannot be served (--strict-datasets): {one_line(exc)}") from exc
+            name = catalog.add_failed(spec, exc)
+            # One line naming the dataset, its file and why; clients asking for it get FAILED_PRECONDITION.
+            log.error("dataset %r is NOT served: %s", name, one_line(exc))
+            continue
         log.info("serving %s dataset %r: %d rows from %s", reader.info().format, reader.name, len(reader), reader.path)
+    if config.datasets and not catalog.names() and not config.data_roots:
+        # Nothing could ever be served: a start would only hide the mistake.
+        first = next(iter(catalog.failed.items()), ("?", "?"))
+        raise DatasetError(f"none of the {len(config.datasets)} datasets could be opened; {first[0]!r}: {first[1]}")
     return catalog
 
 

@@ -32,6 +32,16 @@ class ServerConfig:
     port: int = 50051
     #: Clients may also stream paths under these folders; dataset paths must lie in them.
     data_roots: tuple[str, ...] = ()
+    #: Off (the default): every file a local dataset touches (members, links, listed data
+    #: files, shards, class folders) must resolve under the data roots, or, when there are
+    #: none, under the dataset's own folder. On: links inside datasets may point anywhere.
+    follow_symlinks_outside_roots: bool = False
+    #: A dataset named here that fails to open stops the start (on), or is logged and left
+    #: unserved while the others serve (off, the default).
+    strict_datasets: bool = False
+    #: Decode every image on the server before sending it (Pillow, in the CPU pool); off,
+    #: only the cheap structural check of images.py runs.
+    verify_images: bool = False
     #: Where indexes go when the data folder is read-only (tar offset indexes).
     cache_dir: str | None = None
     #: Port of the Prometheus /metrics endpoint; -1 turns it off, 0 picks a free port.

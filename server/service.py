@@ -17,11 +17,11 @@ from croupier.options import StreamOptions
 from croupier.v1 import croupier_pb2 as pb
 from croupier.v1 import croupier_pb2_grpc as pb_grpc
 
-from .catalog import Catalog, UnknownDatasetError
+from .catalog import Catalog, DatasetUnavailableError, UnknownDatasetError
 from .convert import chunk_to_proto, dataset_info_to_proto, header_to_proto
 from .metrics import ServerMetrics
 from .planner import BatchRangeError, EpochPlan, PlanError
-from .readers.base import DatasetError, OutsideRootsError, UnknownColumnError
+from .readers.base import DatasetError, MemberOutsideRootsError, OutsideRootsError, UnknownColumnError
 from .scheduler import ChunkTooLargeError, Dealer, FetchLimits, ReadBudget, StreamRange
 
 log = logging.getLogger("croupier.server")
@@ -31,7 +31,9 @@ def status_for(exc: BaseException) -> grpc.StatusCode:
     """The gRPC status a failure maps to."""
     for kind, code in (
         (UnknownDatasetError, grpc.StatusCode.NOT_FOUND),
+        (DatasetUnavailableError, grpc.StatusCode.FAILED_PRECONDITION),  # named at start, failed to open
         (OutsideRootsError, grpc.StatusCode.PERMISSION_DENIED),
+        (MemberOutsideRootsError, grpc.StatusCode.PERMISSION_DENIED),
         (BatchRangeError, grpc.StatusCode.OUT_OF_RANGE),
         (PlanError, grpc.StatusCode.INVALID_ARGUMENT),
         (UnknownColumnError, grpc.StatusCode.INVALID_ARGUMENT),

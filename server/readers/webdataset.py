@@ -186,6 +186,8 @@ def load_index(shard: str | Path, cache_dir: str | os.PathLike | None = None, st
 
 class WebDatasetReader(Reader):
     format = "webdataset"
+    #: Decode every image in `encode` before sending it (--verify-images).
+    verify_images = False
 
     def __init__(self, name: str, path: str, cache_dir: str | os.PathLike | None = None, store: Store | None = None):
         super().__init__(name, path, store=store)
@@ -226,7 +228,7 @@ class WebDatasetReader(Reader):
         return ImageItem(index, data, label, checked_format(data, index, where, url), member, where)
 
     def encode(self, items: Sequence[ImageItem], columns: Sequence[str] = (), decode_images: bool = False) -> ImagePayload:
-        return image_payload(items, decode_images)
+        return image_payload(items, decode_images, self.verify_images)
 
     def close(self) -> None:
         for f in self.shards:
