@@ -95,14 +95,17 @@ def _open_streams(server: ServerProcess) -> float:
 
 
 def replica_churn(workdir: Path, *, kills: int = 20, seed: int = 0, rows: int = 4000, world: int = 2,
-                  batch_size: int = 16, log: Callable[[str], None] = lambda s: None) -> FaultResult:
-    """Two replicas serve `world` ranks; one of them, drawn at random, is killed (SIGKILL or
-    SIGTERM, drawn too) at `kills` random points of the epoch and restarted on its port."""
+                  batch_size: int = 16, row_bytes: int = 8192,
+                  log: Callable[[str], None] = lambda s: None) -> FaultResult:
+    """Two replicas serve `world` ranks; one of them (the one serving more ranks) is killed
+    (SIGKILL or SIGTERM, drawn) at `kills` random points of the epoch and restarted on its
+    port. Rows are large enough (`row_bytes`) that a rank's stream cannot run ahead into
+    the client's buffers and be over before the fault."""
     from croupier.client import Loader
 
     rng = random.Random(seed)
     workdir.mkdir(parents=True, exist_ok=True)
-    dataset = f"rows=synthetic:{rows}:64"
+    dataset = f"rows=synthetic:{rows}:{row_bytes}"
     replicas = [ServerProcess([dataset], workdir, [*PACED, "--metrics-port", "0"], port=free_port(),
                               name=f"replica{i}").start() for i in range(2)]
     servers = [r.address for r in replicas]
