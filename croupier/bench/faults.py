@@ -230,7 +230,14 @@ class CuttableProxy:
         return n
 
     def close(self) -> None:
-        self._loop.call_soon_threadsafe(self._server.close)
+        async def shut() -> None:
+            self._server.close()
+            pipes = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for t in pipes:
+                t.cancel()
+            await asyncio.gather(*pipes, return_exceptions=True)
+
+        asyncio.run_coroutine_threadsafe(shut(), self._loop).result(10)
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(10)
 
