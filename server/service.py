@@ -17,11 +17,13 @@ from croupier.options import StreamOptions
 from croupier.v1 import croupier_pb2 as pb
 from croupier.v1 import croupier_pb2_grpc as pb_grpc
 
+from .auth import Principal, ScopeError, TokenStore, check_scope, path_under_roots, principal_of
 from .catalog import Catalog, UnknownDatasetError
 from .convert import chunk_to_proto, dataset_info_to_proto, header_to_proto
 from .metrics import ServerMetrics
 from .planner import BatchRangeError, EpochPlan, PlanError
-from .readers.base import DatasetError, OutsideRootsError, UnknownColumnError
+from .readers.base import DatasetError, DatasetInfo, OutsideRootsError, Reader, UnknownColumnError
+from .redact import PathRedactor
 from .scheduler import ChunkTooLargeError, Dealer, FetchLimits, ReadBudget, StreamRange
 
 log = logging.getLogger("croupier.server")
@@ -32,6 +34,7 @@ def status_for(exc: BaseException) -> grpc.StatusCode:
     for kind, code in (
         (UnknownDatasetError, grpc.StatusCode.NOT_FOUND),
         (OutsideRootsError, grpc.StatusCode.PERMISSION_DENIED),
+        (ScopeError, grpc.StatusCode.PERMISSION_DENIED),
         (BatchRangeError, grpc.StatusCode.OUT_OF_RANGE),
         (PlanError, grpc.StatusCode.INVALID_ARGUMENT),
         (UnknownColumnError, grpc.StatusCode.INVALID_ARGUMENT),
@@ -57,6 +60,11 @@ def _check_columns(info, columns) -> None:
 
 
 class CroupierService(pb_grpc.CroupierServicer):
+    #: Bearer tokens in force (the interceptor checks them; this class checks their scope).
+    tokens: TokenStore | None = None
+    #: Server paths out of replies and error messages (server/redact.py).
+    redact: PathRedactor = PathRedactor(disclose=True)
+
     def __init__(
         self,
         catalog: Catalog,
@@ -83,17 +91,49 @@ class CroupierService(pb_grpc.CroupierServicer):
             log.exception("%s failed", what, exc_info=exc)
         else:
             log.warning("%s: %s: %s", what, code.name, exc)
-        await context.abort(code, str(exc))
+        await context.abort(code, self._client_message(exc, context))
+
+    def _client_message(self, exc: BaseException, context: grpc.aio.ServicerContext) -> str:
+        """What the client is told: no server paths (unless disclosed), and a scoped token
+        hears only of the datasets it may read."""
+        principal = principal_of(context, self.tokens)
+        if isinstance(exc, UnknownDatasetError) and principal is not None and principal.datasets is not None:
+            names = [n for n in self.catalog.names() if principal.may_read(n)]
+            return f"no such dataset; datasets this token may read: {names}"
+        return self.redact(str(exc))
+
+    async def _open(self, name: str, context: grpc.aio.ServicerContext) -> Reader:
+        """The dataset `name`, if the caller's token may read it."""
+        principal = principal_of(context, self.tokens)
+        check_scope(principal, name)  # before opening: the answer must not say whether it exists
+        reader = await self.catalog.get(name)
+        if principal is not None and principal.datasets is not None and name not in self.catalog.names():
+            # Opened by path: the folder it really is (after symlinks) must be in scope too.
+            rel = path_under_roots(reader.path, self.catalog.data_roots)
+            check_scope(principal, rel if rel is not None else reader.path)
+        return reader
+
+    def _info(self, info: DatasetInfo) -> pb.DatasetInfo:
+        msg = dataset_info_to_proto(info)
+        msg.path = self.redact.info_path(msg.path)
+        return msg
+
+    def _header(self, reader: Reader, plan: EpochPlan, span: StreamRange) -> pb.StreamEpochResponse:
+        msg = header_to_proto(reader.info(), plan, span)
+        msg.header.dataset.path = self.redact.info_path(msg.header.dataset.path)
+        return msg
 
     async def ListDatasets(self, request: pb.ListDatasetsRequest, context) -> pb.ListDatasetsResponse:
-        return pb.ListDatasetsResponse(datasets=[dataset_info_to_proto(i) for i in self.catalog.infos()])
+        principal: Principal | None = principal_of(context, self.tokens)
+        infos = [i for i in self.catalog.infos() if principal is None or principal.may_read(i.name)]
+        return pb.ListDatasetsResponse(datasets=[self._info(i) for i in infos])
 
     async def DescribeDataset(self, request: pb.DescribeDatasetRequest, context) -> pb.DatasetInfo:
         try:
-            reader = await self.catalog.get(request.name)
+            reader = await self._open(request.name, context)
         except (LookupError, DatasetError, OSError) as exc:
             await self._abort(context, exc, f"DescribeDataset({request.name!r})")
-        return dataset_info_to_proto(reader.info())
+        return self._info(reader.info())
 
     async def StreamEpoch(
         self, request: pb.StreamEpochRequest, context: grpc.aio.ServicerContext
@@ -107,7 +147,7 @@ class CroupierService(pb_grpc.CroupierServicer):
         outcome = "CANCELLED"  # unless the stream ends or aborts below
         try:
             try:
-                reader = await self.catalog.get(opts.dataset)
+                reader = await self._open(opts.dataset, context)
                 plan = EpochPlan(
                     num_rows=len(reader),
                     seed=opts.seed,
@@ -137,7 +177,7 @@ class CroupierService(pb_grpc.CroupierServicer):
                 await self._abort(context, exc, what)
                 return
             name = reader.name
-            yield header_to_proto(reader.info(), plan, span)
+            yield self._header(reader, plan, span)
             try:
                 async for chunk in dealer:
                     yield chunk_to_proto(chunk, plan.epoch)
