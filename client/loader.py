@@ -275,7 +275,8 @@ class Loader:
                                       f"{transport_hint(self.security, exc.details() or '')}")
                     finally:
                         await conn.close()
-                raise LoaderError(f"no server answered for dataset {self.options.dataset!r}: {errors}")
+                raise LoaderError(f"no server answered for dataset {self.options.dataset!r}: {errors}",
+                                  grpc.StatusCode.UNAVAILABLE)
 
             o = self.options
             n = asyncio.run_coroutine_threadsafe(rows(), self._network_loop()).result(60)
