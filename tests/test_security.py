@@ -380,3 +380,18 @@ def test_a_bad_tokens_file_is_refused_at_start_naming_the_entry(tmp_path) -> Non
 
     path.write_text(f"tokens: [{{name: hashed, sha256: {hashlib.sha256(TOKEN_A.encode()).hexdigest()}}}]")
     assert TokenStore(path).lookup(TOKEN_A).name == "hashed"
+
+
+def test_the_container_health_check_probes_a_tls_server_as_a_client(serve_inprocess, certs) -> None:
+    import subprocess
+    import sys
+
+    srv = serve_inprocess(datasets=["a=synthetic:10"], tls_cert=str(certs.server_cert), tls_key=str(certs.server_key),
+                          tls_client_ca=str(certs.ca))
+    probe = [sys.executable, "-m", "croupier.healthcheck", srv.address]
+    env = {**os.environ, "CROUPIER_TLS_CERT": str(certs.server_cert), "CROUPIER_TLS_CA": str(certs.ca),
+           "CROUPIER_TLS_SERVER_NAME": "localhost"}
+    refused = subprocess.run(probe, env=env, capture_output=True, text=True, timeout=60)
+    assert refused.returncode == 1 and "UNAVAILABLE" in refused.stderr  # mutual TLS: no client certificate
+    env.update(CROUPIER_CLIENT_CERT=str(certs.client_cert), CROUPIER_CLIENT_KEY=str(certs.client_key))
+    assert subprocess.run(probe, env=env, capture_output=True, timeout=60).returncode == 0
