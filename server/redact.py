@@ -35,14 +35,15 @@ class PathRedactor:
     def dataset(self, name: str, path: str) -> None:
         self.add(path, f"<{name}>")
 
-    def __call__(self, message: str) -> str:
+    def __call__(self, message: str, keep: str = "") -> str:
+        """`message` without server paths; `keep` (what the client itself sent) stays as it is."""
         if self.disclose:
             return message
         for path, label in self._prefixes:
             # "/d/digits" must not eat the start of "/d/digits2".
             pattern = r"(?:file://)?" + re.escape(path) + r"(?![^/\s'\"<>,;()\[\]{}])"
             message = re.sub(pattern, lambda _m, label=label: label, message)
-        return _ABSOLUTE.sub("<path>", message)
+        return _ABSOLUTE.sub(lambda m: m.group(0) if keep and m.group(0) == keep else "<path>", message)
 
     def info_path(self, path: str) -> str:
         """DatasetInfo.path as clients see it: empty unless disclosed."""

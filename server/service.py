@@ -84,23 +84,24 @@ class CroupierService(pb_grpc.CroupierServicer):
         self.metrics = metrics
         self.active: set[asyncio.Task] = set()
 
-    async def _abort(self, context: grpc.aio.ServicerContext, exc: BaseException, what: str) -> None:
+    async def _abort(self, context: grpc.aio.ServicerContext, exc: BaseException, what: str,
+                     asked: str = "") -> None:
         code = status_for(exc)
         self.metrics.streams_total.labels(code.name).inc()
         if code is grpc.StatusCode.INTERNAL:
             log.exception("%s failed", what, exc_info=exc)
         else:
             log.warning("%s: %s: %s", what, code.name, exc)
-        await context.abort(code, self._client_message(exc, context))
+        await context.abort(code, self._client_message(exc, context, asked))
 
-    def _client_message(self, exc: BaseException, context: grpc.aio.ServicerContext) -> str:
+    def _client_message(self, exc: BaseException, context: grpc.aio.ServicerContext, asked: str = "") -> str:
         """What the client is told: no server paths (unless disclosed), and a scoped token
         hears only of the datasets it may read."""
         principal = principal_of(context, self.tokens)
         if isinstance(exc, UnknownDatasetError) and principal is not None and principal.datasets is not None:
             names = [n for n in self.catalog.names() if principal.may_read(n)]
             return f"no such dataset; datasets this token may read: {names}"
-        return self.redact(str(exc))
+        return self.redact(str(exc), keep=asked)
 
     async def _open(self, name: str, context: grpc.aio.ServicerContext) -> Reader:
         """The dataset `name`, if the caller's token may read it."""
@@ -132,7 +133,7 @@ class CroupierService(pb_grpc.CroupierServicer):
         try:
             reader = await self._open(request.name, context)
         except (LookupError, DatasetError, OSError) as exc:
-            await self._abort(context, exc, f"DescribeDataset({request.name!r})")
+            await self._abort(context, exc, f"DescribeDataset({request.name!r})", request.name)
         return self._info(reader.info())
 
     async def StreamEpoch(
@@ -174,7 +175,7 @@ class CroupierService(pb_grpc.CroupierServicer):
                 )
             except (LookupError, DatasetError, PlanError, OSError) as exc:
                 outcome = None
-                await self._abort(context, exc, what)
+                await self._abort(context, exc, what, opts.dataset)
                 return
             name = reader.name
             yield self._header(reader, plan, span)
@@ -187,7 +188,7 @@ class CroupierService(pb_grpc.CroupierServicer):
                     self.metrics.batches.labels(name).inc(len(chunk.completed_batches))
             except (DatasetError, OSError, ChunkTooLargeError) as exc:
                 outcome = None
-                await self._abort(context, exc, what)
+                await self._abort(context, exc, what, opts.dataset)
                 return
             outcome = "OK"
         finally:
