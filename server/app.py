@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import errno
 import json
 import logging
 import os
 import signal
+import socket
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -18,13 +21,17 @@ from grpc_reflection.v1alpha import reflection
 
 from croupier.v1 import croupier_pb2, croupier_pb2_grpc
 
+from .auth import AuthInterceptor, TokenStore
 from .catalog import Catalog, one_line
 from .config import ServerConfig
 from .decode_guard import DecodeGuard
 from .metrics import ServerMetrics
+from .metrics_http import basic_auth_credentials, serve_metrics
 from .readers.base import DatasetError
+from .redact import PathRedactor
 from .service import CroupierService
 from .storage import LocalStore
+from .tls import check_plaintext_bind, metrics_ssl_context, server_credentials
 
 log = logging.getLogger("croupier.server")
 
@@ -43,6 +50,13 @@ class RunningServer:
     executor: concurrent.futures.ThreadPoolExecutor
     catalog: Catalog
     config: ServerConfig
+    #: The bearer tokens in force (None: no token needed); `reload_tokens()` rereads them.
+    tokens: TokenStore | None = None
+    metrics_http: Any = None
+
+    def reload_tokens(self) -> bool:
+        """Reread the tokens file now (SIGHUP does this); False if it did not parse."""
+        return self.tokens.reload() if self.tokens is not None else False
 
     @property
     def address(self) -> str:
@@ -64,6 +78,9 @@ class RunningServer:
         # Even with nothing open, stay reachable for the notice so a health check sees the drain.
         await asyncio.sleep(max(0.0, min(self.config.drain_notice_s, grace) - (loop.time() - started)))
         await self.server.stop(max(0.0, grace - (loop.time() - started)))
+        if self.metrics_http is not None:
+            self.metrics_http.shutdown()
+            self.metrics_http.server_close()
         self.executor.shutdown(wait=False, cancel_futures=True)
         self.catalog.close()
 
@@ -92,8 +109,61 @@ def open_catalog(config: ServerConfig, executor: concurrent.futures.Executor, st
     return catalog
 
 
+def _port_in_use(host: str, port: int) -> bool:
+    """Whether (host, port) is taken: asked before grpc binds, which would log a C-level
+    error line and answer only "Failed to bind"."""
+    if port == 0:
+        return False
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except OSError:
+        return False
+    for family, kind, proto, _, sockaddr in infos[:1]:
+        with socket.socket(family, kind, proto) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as grpc does: TIME_WAIT is no conflict
+            try:
+                s.bind(sockaddr)
+            except OSError as exc:
+                return exc.errno == errno.EADDRINUSE
+    return False
+
+
+def _bind(server: grpc.aio.Server, config: ServerConfig) -> tuple[str, int]:
+    """Add the gRPC port (TLS when configured); a port in use is an OSError naming it."""
+    host = config.host
+    bind = f"[{host}]:{config.port}" if ":" in host else f"{host}:{config.port}"
+    if _port_in_use(host, config.port):
+        raise OSError(f"cannot listen on {bind}: port {config.port} is already in use (--port)")
+    try:
+        if config.tls_cert:
+            port = server.add_secure_port(bind, server_credentials(config.tls_cert, config.tls_key,
+                                                                   config.tls_client_ca))
+        else:
+            port = server.add_insecure_port(bind)
+    except RuntimeError:  # grpc raises "Failed to bind to address ..."
+        port = 0
+    if port == 0:
+        raise OSError(f"cannot listen on {bind} (--host/--port): the port is in use or the address is not "
+                      "this machine's")
+    return bind, port
+
+
+def _serve_metrics(metrics: ServerMetrics, config: ServerConfig) -> tuple[Any, int | None]:
+    if config.metrics_port < 0:
+        return None, None
+    tls = metrics_ssl_context(config.metrics_tls_cert, config.metrics_tls_key) if config.metrics_tls_cert else None
+    credentials = basic_auth_credentials(config.metrics_auth_file, os.environ)
+    if tls is None and credentials is None:
+        check_plaintext_bind(config.metrics_host, False, True)  # a warning at most: metrics are not data
+    return serve_metrics(metrics.registry, config.metrics_port, config.metrics_host, tls=tls, credentials=credentials)
+
+
 async def start(config: ServerConfig) -> RunningServer:
     """Open the datasets and start serving; returns once the port is bound."""
+    # Settings that cannot work fail before any dataset is opened.
+    check_plaintext_bind(config.host, bool(config.tls_cert), config.insecure)
+    tokens = TokenStore(config.tokens_file) if config.tokens_file else None
+    interceptors = [AuthInterceptor(tokens, config.open_services)] if tokens is not None else []
     # CPU work (encode, decode, opening datasets) and reads never share threads: reads
     # wait on storage in the store's own pool, sized by io_threads, not by the cores.
     executor = concurrent.futures.ThreadPoolExecutor(config.workers, thread_name_prefix="croupier-cpu")
@@ -115,8 +185,14 @@ async def start(config: ServerConfig) -> RunningServer:
         metrics=metrics,
         max_message_bytes=config.max_message_bytes,
     )
+    service.tokens = tokens
+    service.redact = PathRedactor(catalog.data_roots, disclose=config.disclose_paths)
+    for reader in catalog.readers():
+        service.redact.dataset(reader.name, reader.path)
+    for name, path in catalog.failed_paths.items():  # their errors name files inside them
+        service.redact.dataset(name, path)
     server = grpc.aio.server(
-        interceptors=[DecodeGuard()],
+        interceptors=[*interceptors, DecodeGuard()],  # a caller without a token learns nothing more
         options=[
             ("grpc.max_send_message_length", config.max_message_bytes),
             ("grpc.max_receive_message_length", config.max_message_bytes),
@@ -129,19 +205,21 @@ async def start(config: ServerConfig) -> RunningServer:
     health_servicer = health_aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
-    host = config.host
-    bind = f"[{host}]:{config.port}" if ":" in host else f"{host}:{config.port}"
-    port = server.add_insecure_port(bind)
-    if port == 0:
-        raise OSError(f"cannot listen on {bind}")
+    try:
+        bind, port = _bind(server, config)
+        metrics_http, metrics_port = _serve_metrics(metrics, config)
+    except BaseException:
+        executor.shutdown(wait=False, cancel_futures=True)
+        catalog.close()
+        raise
     await server.start()
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    metrics_port = None
-    if config.metrics_port >= 0:
-        metrics_port = metrics.serve_http(config.metrics_port, config.metrics_host)
-    log.info("croupier listening on %s (metrics on %s)", bind.replace(f":{config.port}", f":{port}"), metrics_port)
-    return RunningServer(server, port, metrics_port, service, health_servicer, executor, catalog, config)
+    log.info("croupier listening on %s (%s%s; metrics on %s)", bind.replace(f":{config.port}", f":{port}"),
+             "mutual TLS" if config.tls_client_ca else "TLS" if config.tls_cert else "plaintext",
+             f", {len(tokens.names())} token(s)" if tokens is not None else ", no tokens", metrics_port)
+    return RunningServer(server, port, metrics_port, service, health_servicer, executor, catalog, config,
+                         tokens, metrics_http)
 
 
 async def serve(config: ServerConfig, ready_file: str | None = None) -> None:
@@ -157,6 +235,8 @@ async def serve(config: ServerConfig, ready_file: str | None = None) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    if running.tokens is not None:
+        loop.add_signal_handler(signal.SIGHUP, running.reload_tokens)
     await stop.wait()
     log.info("signal received: shutting down")
     await running.stop()

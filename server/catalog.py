@@ -81,6 +81,8 @@ class Catalog:
         self._by_path: dict[str, Reader] = {}
         #: Datasets named at start that failed to open: name -> why (left unserved).
         self.failed: dict[str, str] = {}
+        #: ... and name -> the path they were named with.
+        self.failed_paths: dict[str, str] = {}
         self._opening: dict[str, asyncio.Future[Reader]] = {}
         #: Called with each dataset opened on demand (the server counts its store's reads).
         self.on_open: Callable[[Reader], None] | None = None
@@ -155,6 +157,7 @@ class Catalog:
         name = name or default_name(path)
         if name not in self._by_name:
             self.failed[name] = one_line(exc)
+            self.failed_paths[name] = path
         return name
 
     def readers(self) -> list[Reader]:

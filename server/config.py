@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -67,6 +68,26 @@ class ServerConfig:
     drain_notice_s: float = 2.0
     max_message_bytes: int = 64 << 20
     log_format: str = "text"  # or "json"
+    # ---- transport security and identity (README "Security") ----
+    #: TLS for gRPC: the server's certificate chain and private key (PEM files), both or neither.
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    #: Mutual TLS: every client must present a certificate signed by this CA (PEM).
+    tls_client_ca: str | None = None
+    #: Serve plaintext on a non-loopback host anyway (behind a TLS-terminating proxy, or a
+    #: private network); without it such a bind is refused.
+    insecure: bool = False
+    #: Bearer tokens (YAML, see server/auth.py); None: calls need no token.
+    tokens_file: str | None = None
+    #: Services a caller reaches without a token: any of "health", "reflection".
+    open_services: tuple[str, ...] = ("health", "reflection")
+    #: Tell clients where datasets live on the server (DatasetInfo.path, error messages).
+    disclose_paths: bool = False
+    #: TLS for /metrics (PEM files), and a file holding "user:password" for its basic auth
+    #: (or the CROUPIER_METRICS_AUTH environment variable).
+    metrics_tls_cert: str | None = None
+    metrics_tls_key: str | None = None
+    metrics_auth_file: str | None = None
 
     def __post_init__(self) -> None:
         if self.max_reads < 1:
@@ -77,6 +98,28 @@ class ServerConfig:
             raise ValueError(f"grace and drain_notice must be >= 0 seconds, got {self.grace_s} and {self.drain_notice_s}")
         if self.io_threads < 1:
             raise ValueError(f"io_threads must be at least 1, got {self.io_threads}")
+        for cert, key, flag in (("tls_cert", "tls_key", "--tls"), ("metrics_tls_cert", "metrics_tls_key", "--metrics-tls")):
+            if (getattr(self, cert) is None) != (getattr(self, key) is None):
+                raise ValueError(f"{flag}-cert and {flag}-key ({cert}, {key}) go together: give both or neither")
+        if self.tls_client_ca and not self.tls_cert:
+            raise ValueError("--tls-client-ca (mutual TLS) needs --tls-cert and --tls-key too")
+
+
+#: Environment variables that fill settings (between the config file and the flags).
+ENV_SETTINGS = {
+    "CROUPIER_TLS_CERT": "tls_cert",
+    "CROUPIER_TLS_KEY": "tls_key",
+    "CROUPIER_TLS_CLIENT_CA": "tls_client_ca",
+    "CROUPIER_TOKENS_FILE": "tokens_file",
+    "CROUPIER_METRICS_TLS_CERT": "metrics_tls_cert",
+    "CROUPIER_METRICS_TLS_KEY": "metrics_tls_key",
+    "CROUPIER_METRICS_AUTH_FILE": "metrics_auth_file",
+}
+
+
+def env_settings(environ: Mapping[str, str]) -> dict[str, str]:
+    """The settings the environment gives (non-empty CROUPIER_* variables of ENV_SETTINGS)."""
+    return {name: environ[var] for var, name in ENV_SETTINGS.items() if environ.get(var)}
 
 
 _LIMIT_FIELDS = {f.name for f in dataclasses.fields(FetchLimits)}
@@ -96,7 +139,7 @@ def config_from_mapping(raw: dict[str, Any], source: str = "config") -> ServerCo
         elif key == "latency":
             values["latency"] = None if value is None else LatencySpec(**value)
         elif key in known:
-            values[key] = tuple(value) if key in ("datasets", "data_roots") else value
+            values[key] = tuple(value) if key in ("datasets", "data_roots", "open_services") else value
         else:
             raise ValueError(f"{source}: unknown setting {key!r}; known: {sorted(known | _LIMIT_FIELDS)}")
     bad = set(limits) - _LIMIT_FIELDS

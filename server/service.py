@@ -17,11 +17,13 @@ from croupier.options import StreamOptions
 from croupier.v1 import croupier_pb2 as pb
 from croupier.v1 import croupier_pb2_grpc as pb_grpc
 
+from .auth import Principal, ScopeError, TokenStore, check_scope, path_under_roots, principal_of
 from .catalog import Catalog, DatasetUnavailableError, UnknownDatasetError
 from .convert import chunk_to_proto, dataset_info_to_proto, header_to_proto
 from .metrics import ServerMetrics
 from .planner import BatchRangeError, EpochPlan, PlanError
-from .readers.base import DatasetError, MemberOutsideRootsError, OutsideRootsError, UnknownColumnError
+from .readers.base import DatasetError, DatasetInfo, MemberOutsideRootsError, OutsideRootsError, Reader, UnknownColumnError
+from .redact import PathRedactor
 from .scheduler import ChunkTooLargeError, Dealer, FetchLimits, ReadBudget, StreamRange
 
 log = logging.getLogger("croupier.server")
@@ -34,6 +36,7 @@ def status_for(exc: BaseException) -> grpc.StatusCode:
         (DatasetUnavailableError, grpc.StatusCode.FAILED_PRECONDITION),  # named at start, failed to open
         (OutsideRootsError, grpc.StatusCode.PERMISSION_DENIED),
         (MemberOutsideRootsError, grpc.StatusCode.PERMISSION_DENIED),
+        (ScopeError, grpc.StatusCode.PERMISSION_DENIED),
         (BatchRangeError, grpc.StatusCode.OUT_OF_RANGE),
         (PlanError, grpc.StatusCode.INVALID_ARGUMENT),
         (UnknownColumnError, grpc.StatusCode.INVALID_ARGUMENT),
@@ -80,6 +83,11 @@ def _check_columns(info, columns) -> None:
 
 
 class CroupierService(pb_grpc.CroupierServicer):
+    #: Bearer tokens in force (the interceptor checks them; this class checks their scope).
+    tokens: TokenStore | None = None
+    #: Server paths out of replies and error messages (server/redact.py).
+    redact: PathRedactor = PathRedactor(disclose=True)
+
     def __init__(
         self,
         catalog: Catalog,
@@ -101,7 +109,8 @@ class CroupierService(pb_grpc.CroupierServicer):
         #: Set by a graceful stop: open streams finish, new ones go to another replica.
         self.draining = False
 
-    async def _abort(self, context: grpc.aio.ServicerContext, exc: BaseException, what: str) -> None:
+    async def _abort(self, context: grpc.aio.ServicerContext, exc: BaseException, what: str,
+                     asked: str = "") -> None:
         code = status_for(exc)
         self.metrics.streams_total.labels(code.name).inc()
         details = shorten(str(exc))
@@ -109,18 +118,50 @@ class CroupierService(pb_grpc.CroupierServicer):
             log.exception("%s failed", what, exc_info=exc)
         else:
             log.warning("%s: %s: %s", what, code.name, details)
-        await context.abort(code, details)
+        await context.abort(code, shorten(self._client_message(exc, context, asked)))
+
+    def _client_message(self, exc: BaseException, context: grpc.aio.ServicerContext, asked: str = "") -> str:
+        """What the client is told: no server paths (unless disclosed), and a scoped token
+        hears only of the datasets it may read."""
+        principal = principal_of(context, self.tokens)
+        if isinstance(exc, UnknownDatasetError) and principal is not None and principal.datasets is not None:
+            names = [n for n in self.catalog.names() if principal.may_read(n)]
+            return f"no such dataset; datasets this token may read: {names}"
+        return self.redact(str(exc), keep=asked)
+
+    async def _open(self, name: str, context: grpc.aio.ServicerContext) -> Reader:
+        """The dataset `name`, if the caller's token may read it."""
+        principal = principal_of(context, self.tokens)
+        check_scope(principal, name)  # before opening: the answer must not say whether it exists
+        reader = await self.catalog.get(name)
+        if principal is not None and principal.datasets is not None and name not in self.catalog.names():
+            # Opened by path: the folder it really is (after symlinks) must be in scope too.
+            rel = path_under_roots(reader.path, self.catalog.data_roots)
+            check_scope(principal, rel if rel is not None else reader.path)
+        return reader
+
+    def _info(self, info: DatasetInfo) -> pb.DatasetInfo:
+        msg = dataset_info_to_proto(info)
+        msg.path = self.redact.info_path(msg.path)
+        return msg
+
+    def _header(self, reader: Reader, plan: EpochPlan, span: StreamRange) -> pb.StreamEpochResponse:
+        msg = header_to_proto(reader.info(), plan, span)
+        msg.header.dataset.path = self.redact.info_path(msg.header.dataset.path)
+        return msg
 
     async def ListDatasets(self, request: pb.ListDatasetsRequest, context) -> pb.ListDatasetsResponse:
-        return pb.ListDatasetsResponse(datasets=[dataset_info_to_proto(i) for i in self.catalog.infos()])
+        principal: Principal | None = principal_of(context, self.tokens)
+        infos = [i for i in self.catalog.infos() if principal is None or principal.may_read(i.name)]
+        return pb.ListDatasetsResponse(datasets=[self._info(i) for i in infos])
 
     async def DescribeDataset(self, request: pb.DescribeDatasetRequest, context) -> pb.DatasetInfo:
         try:
             _check_name(request.name)
-            reader = await self.catalog.get(request.name)
+            reader = await self._open(request.name, context)
         except (LookupError, DatasetError, OSError, PlanError) as exc:
-            await self._abort(context, exc, f"DescribeDataset({shorten(repr(request.name), 200)})")
-        return dataset_info_to_proto(reader.info())
+            await self._abort(context, exc, f"DescribeDataset({shorten(repr(request.name), 200)})", request.name)
+        return self._info(reader.info())
 
     async def StreamEpoch(
         self, request: pb.StreamEpochRequest, context: grpc.aio.ServicerContext
@@ -139,7 +180,7 @@ class CroupierService(pb_grpc.CroupierServicer):
         try:
             try:
                 _check_name(opts.dataset)
-                reader = await self.catalog.get(opts.dataset)
+                reader = await self._open(opts.dataset, context)
                 plan = EpochPlan(
                     num_rows=len(reader),
                     seed=opts.seed,
@@ -166,10 +207,10 @@ class CroupierService(pb_grpc.CroupierServicer):
                 )
             except (LookupError, DatasetError, PlanError, OSError) as exc:
                 outcome = None
-                await self._abort(context, exc, what)
+                await self._abort(context, exc, what, opts.dataset)
                 return
             name = reader.name
-            yield header_to_proto(reader.info(), plan, span)
+            yield self._header(reader, plan, span)
             try:
                 async for chunk in dealer:
                     yield chunk_to_proto(chunk, plan.epoch)
@@ -179,7 +220,7 @@ class CroupierService(pb_grpc.CroupierServicer):
                     self.metrics.batches.labels(name).inc(len(chunk.completed_batches))
             except (DatasetError, OSError, ChunkTooLargeError) as exc:
                 outcome = None
-                await self._abort(context, exc, what)
+                await self._abort(context, exc, what, opts.dataset)
                 return
             outcome = "OK"
         finally:
