@@ -28,7 +28,6 @@ from torch.utils.data import default_collate
 
 from croupier.options import StreamOptions
 from croupier.security import ClientSecurity, check_address
-from croupier.v1 import croupier_pb2 as pb
 
 from .assemble import BatchAssembler, ProtocolError, RawBatch
 from .samples import ImageDecode, collate_table, raw_batch_samples
