@@ -217,3 +217,34 @@ def test_a_table_file_swapped_after_open_is_still_read_from_the_file_opened(serv
     (root / "tables" / "part-0.arrow").rename(root / "old.arrow")
     os.symlink(outside / "secret.arrow", root / "tables" / "part-0.arrow")
     assert sorted(_rows(srv.address, "tables")) == list(range(5))
+
+
+def test_the_tar_index_write_never_follows_a_planted_link(tmp_path: Path) -> None:
+    # The data folder may be writable by others: a link under the index's temporary name,
+    # or under the index's own name, must not make the server write through it.
+    import io
+    import os
+    import tarfile
+
+    from croupier.server.readers.webdataset import load_index
+
+    data, outside = tmp_path / "data", tmp_path / "outside"
+    data.mkdir()
+    outside.mkdir()
+    shard = data / "s-000.tar"
+    with tarfile.open(shard, "w") as tar:
+        for i in range(3):
+            for ext, payload in (("cls", b"1"), ("jpg", b"\xff\xd8\xff\xd9")):
+                info = tarfile.TarInfo(f"{i:04d}.{ext}")
+                info.size = len(payload)
+                tar.addfile(info, io.BytesIO(payload))
+    victim = outside / "victim.txt"
+    victim.write_text("precious")
+    (data / f"s-000.tar.idx.json.{os.getpid()}.tmp").symlink_to(victim)
+    assert len(load_index(shard)) == 3
+    assert victim.read_text() == "precious"
+    (data / f"s-000.tar.idx.json.{os.getpid()}.tmp").unlink()
+    (data / "s-000.tar.idx.json").unlink(missing_ok=True)
+    (data / "s-000.tar.idx.json").symlink_to(victim)
+    assert len(load_index(shard)) == 3
+    assert victim.read_text() == "precious"
