@@ -25,6 +25,8 @@ points, and never echo file bytes.
 
 from __future__ import annotations
 
+import asyncio
+import errno
 import os
 import stat
 from collections.abc import Callable, Sequence
@@ -32,6 +34,7 @@ from typing import Any
 
 from .base import FileEntry, Range, Store
 from .local import LocalStore, _pread_all
+from .native import roots_blob
 
 #: Linux: the kernel's path of an open descriptor, authoritative after symlinks.
 _PROC_FD = "/proc/self/fd"
@@ -72,6 +75,10 @@ class ConfinedStore(Store):
         self.roots = tuple(os.path.realpath(r) for r in roots)
         self._error = raise_error or ConfinementError
         self._pins: set[str] = set()  # paths this dataset pinned, their descriptor checked
+        # The native pool checks the file it opened itself (where /proc tells it): reads of
+        # unpinned files (images) stay on GIL-free threads.
+        self._native = inner.native if _HAVE_PROC else None
+        self._roots_blob = roots_blob(self.roots)
 
     def __getattr__(self, name: str) -> Any:  # pool, native, threads...: the inner store's
         return getattr(self.inner, name)
@@ -190,9 +197,24 @@ class ConfinedStore(Store):
         return False  # the caller awaits read_ranges, which checks the file it opens
 
     async def _read(self, path: str, offset: int, size: int) -> bytes:
+        if self._native is not None:
+            return await self._native_read(path, offset, size)
         return await self.inner.pool.submit(self._pread_checked, path, offset, size)
 
+    async def _native_read(self, path: str, offset: int, size: int) -> bytes:
+        assert self._native is not None
+        try:
+            return await self._native.pread_path(path, offset, size, self._roots_blob)
+        except OSError as exc:
+            if exc.errno == errno.EXDEV:  # the native check: the file opened is outside
+                raise self._outside(path) from None
+            if exc.errno == errno.EISDIR:
+                raise IsADirectoryError(f"{path} is not a regular file") from None
+            raise
+
     async def _read_ranges(self, path: str, ranges: Sequence[Range]) -> list[bytes]:
+        if self._native is not None:
+            return list(await asyncio.gather(*(self._native_read(path, o, s) for o, s in ranges)))
         return await self.inner.pool.submit(self._preads_checked, path, ranges)
 
     def close(self) -> None:
