@@ -27,11 +27,11 @@ import torch
 from torch.utils.data import default_collate
 
 from croupier.options import StreamOptions
-from croupier.v1 import croupier_pb2 as pb
+from croupier.security import ClientSecurity, check_address
 
 from .assemble import BatchAssembler, ProtocolError, RawBatch
 from .samples import ImageDecode, collate_table, raw_batch_samples
-from .wire import FINAL_LIMITS, LIMIT_BACKOFF_S, RETRYABLE, Connection, limit_of, size_limit_advice
+from .wire import FINAL_LIMITS, LIMIT_BACKOFF_S, RETRYABLE, Connection, limit_of, size_limit_advice, transport_hint
 
 log = logging.getLogger("croupier.client")
 
@@ -116,6 +116,14 @@ class Loader:
             A message over a size limit is not retried (the LoaderError names the limit).
         buffer_batches: collated batches the sync iterator keeps ready ahead of the user.
         decode_workers: threads decoding images (default: min(4, CPUs); 0 or 1: inline).
+        tls_ca: CA file (PEM) that signed the servers' certificates; turns TLS on
+            (default: the CROUPIER_TLS_CA environment variable).
+        tls_cert, tls_key: client certificate and key (PEM) for servers that require
+            mutual TLS (default: CROUPIER_CLIENT_CERT, CROUPIER_CLIENT_KEY).
+        token: bearer token sent with every call (default: CROUPIER_TOKEN). Sent in
+            clear text only to loopback addresses; elsewhere it needs TLS.
+        tls: True for TLS with the system's CAs; default: on when a CA or client
+            certificate is given.
     """
 
     def __init__(
@@ -144,6 +152,11 @@ class Loader:
         max_backoff_s: float = 5.0,
         buffer_batches: int = 4,
         decode_workers: int | None = None,
+        tls_ca: str | None = None,
+        tls_cert: str | None = None,
+        tls_key: str | None = None,
+        token: str | None = None,
+        tls: bool | None = None,
     ):
         if rank is None or world_size is None:
             d_rank, d_world = _distributed_default()
@@ -152,6 +165,11 @@ class Loader:
         self.servers = [servers] if isinstance(servers, str) else list(servers)
         if not self.servers:
             raise ValueError("Loader needs at least one server address")
+        for address in self.servers:
+            check_address(address)
+        self.security = ClientSecurity.resolve(tls=tls, tls_ca=tls_ca, tls_cert=tls_cert, tls_key=tls_key, token=token)
+        for address in self.servers:
+            self.security.metadata(address)  # refuses a token bound for clear text, now, not mid-epoch
         if batch_size < 1:
             raise ValueError(f"batch_size must be at least 1, got {batch_size}")
         if not 0 <= rank < world_size:
@@ -246,16 +264,18 @@ class Loader:
                 errors = []
                 for k in range(len(self.servers)):
                     address = self.servers[(self.rank + k) % len(self.servers)]
-                    conn = Connection(address)
+                    conn = Connection(address, self.security)
                     try:
                         return (await conn.describe(self.options.dataset)).num_rows
                     except grpc.aio.AioRpcError as exc:
                         if exc.code() not in RETRYABLE:
                             raise LoaderError(f"{address}: {exc.code().name}: {exc.details()}", exc.code()) from None
-                        errors.append(f"{address}: {exc.code().name}")
+                        errors.append(f"{address}: {exc.code().name}: {exc.details()}"
+                                      f"{transport_hint(self.security, exc.details() or '')}")
                     finally:
                         await conn.close()
-                raise LoaderError(f"no server answered for dataset {self.options.dataset!r}: {errors}")
+                raise LoaderError(f"no server answered for dataset {self.options.dataset!r}: {errors}",
+                                  grpc.StatusCode.UNAVAILABLE)
 
             o = self.options
             n = asyncio.run_coroutine_threadsafe(rows(), self._network_loop()).result(60)
@@ -276,7 +296,7 @@ class Loader:
         num_batches: int | None = None
         while num_batches is None or next_batch < num_batches:
             address = self.servers[server_i]
-            conn = Connection(address)
+            conn = Connection(address, self.security)
             pending: dict[int, RawBatch] = {}
             try:
                 call = conn.stream(opts.with_(start_batch=next_batch))
@@ -320,22 +340,23 @@ class Loader:
                 limit = limit_of(exc)
                 if code not in RETRYABLE or limit in FINAL_LIMITS:
                     raise LoaderError(f"{address}: {code.name}: {exc.details()}", code) from None
-                if limit is not None:  # a fair limit of the server: say so, and wait for it
-                    log.warning("%s refused or ended the stream: %s; retrying", address, exc.details())
                 failures += 1
-                self.stats.errors.append(f"{address}: {code.name}: {exc.details()}")
+                error = f"{address}: {code.name}: {exc.details()}{transport_hint(self.security, exc.details() or '')}"
+                self.stats.errors.append(error)
                 if failures > self.max_retries:
-                    raise LoaderError(
-                        f"gave up after {self.max_retries} retries; last error from {address}: "
-                        f"{code.name}: {exc.details()}",
-                        code,
-                    ) from None
+                    raise LoaderError(f"gave up after {self.max_retries} retries; last error from {error}",
+                                      code) from None
                 self.stats.reconnects += 1
                 server_i = (server_i + 1) % len(self.servers)
                 delay = min(self.max_backoff_s, self.retry_backoff_s * 2 ** (failures - 1))
                 if limit is not None and limit != "stream_idle_timeout_s":
                     delay = max(delay, LIMIT_BACKOFF_S)  # the limit frees up as streams end, not in ms
-                await asyncio.sleep(delay * (0.5 + random.random() / 2))
+                delay *= 0.5 + random.random() / 2
+                # Said at once, each time: a trainer pointed at the wrong address learns it
+                # in seconds, not when the retries run out.
+                log.warning("%s; retry %d of %d in %.1fs (on %s)", error, failures, self.max_retries, delay,
+                            self.servers[server_i])
+                await asyncio.sleep(delay)
             finally:
                 await conn.close()
 

@@ -7,6 +7,7 @@ from collections.abc import AsyncIterator
 import grpc
 
 from croupier.options import StreamOptions
+from croupier.security import ClientSecurity, check_address
 from croupier.v1 import croupier_pb2 as pb
 from croupier.v1 import croupier_pb2_grpc as pb_grpc
 
@@ -77,27 +78,51 @@ def size_limit_advice(code: grpc.StatusCode, details: str) -> str | None:
     return details  # croupier's own message names the limit
 
 
-def open_channel(address: str) -> grpc.aio.Channel:
-    return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+def open_channel(address: str, security: ClientSecurity | None = None) -> grpc.aio.Channel:
+    """A TLS channel when `security` says so, else plaintext."""
+    check_address(address)
+    security = security or ClientSecurity()
+    credentials = security.channel_credentials()
+    options = CHANNEL_OPTIONS + security.channel_options()
+    if credentials is None:
+        return grpc.aio.insecure_channel(address, options=options)
+    return grpc.aio.secure_channel(address, credentials, options=options)
+
+
+def transport_hint(security: ClientSecurity, details: str) -> str:
+    """Why a connection that never got going probably failed, when the cause is a TLS
+    mismatch (gRPC itself only says the connection failed or the socket closed)."""
+    d = details.lower()
+    if not security.tls and ("socket closed" in d or "connection reset" in d or "eof" in d):
+        return " (is the server using TLS? then pass tls_ca=... or set CROUPIER_TLS_CA)"
+    if security.tls and ("handshake" in d or "ssl" in d or "wrong_version" in d):
+        return " (TLS handshake failed: the server may be plaintext, or its certificate not signed by tls_ca, " \
+               "or it requires a client certificate)"
+    return ""
 
 
 class Connection:
     """One channel to one server."""
 
-    def __init__(self, address: str):
+    def __init__(self, address: str, security: ClientSecurity | None = None):
         self.address = address
-        self.channel = open_channel(address)
+        #: None: from the environment (CROUPIER_TOKEN, CROUPIER_TLS_CA, ...).
+        self.security = security if security is not None else ClientSecurity.resolve()
+        self.metadata = self.security.metadata(address)
+        self.channel = open_channel(address, self.security)
         self.stub = pb_grpc.CroupierStub(self.channel)
 
     async def describe(self, dataset: str, timeout: float | None = 30.0) -> pb.DatasetInfo:
-        return await self.stub.DescribeDataset(pb.DescribeDatasetRequest(name=dataset), timeout=timeout)
+        return await self.stub.DescribeDataset(pb.DescribeDatasetRequest(name=dataset), timeout=timeout,
+                                               metadata=self.metadata)
 
     async def list_datasets(self, timeout: float | None = 30.0) -> list[pb.DatasetInfo]:
-        return list((await self.stub.ListDatasets(pb.ListDatasetsRequest(), timeout=timeout)).datasets)
+        return list((await self.stub.ListDatasets(pb.ListDatasetsRequest(), timeout=timeout,
+                                                  metadata=self.metadata)).datasets)
 
     def stream(self, options: StreamOptions) -> AsyncIterator[pb.StreamEpochResponse]:
         """The StreamEpoch call: a header message, then chunks."""
-        return self.stub.StreamEpoch(options.to_proto(), wait_for_ready=False)
+        return self.stub.StreamEpoch(options.to_proto(), wait_for_ready=False, metadata=self.metadata)
 
     async def close(self) -> None:
         await self.channel.close()

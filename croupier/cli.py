@@ -14,8 +14,16 @@ Serve datasets to trainers over gRPC.
 DATASET is a path (Arrow IPC file or folder, Hugging Face save_to_disk folder, Parquet
 file or folder, ImageFolder tree, folder of WebDataset .tar shards), NAME=PATH to
 choose its name, or NAME=synthetic:ROWS[:ROW_BYTES] for a virtual table of any size.
-Flags override the config file; the config file is YAML with the same names
-(underscores), e.g.  datasets: [digits=/data/digits]  port: 50051  max_reads: 4096.
+Flags override the environment, which overrides the config file; the config file is
+YAML with the same names (underscores), e.g.  datasets: [digits=/data/digits]
+port: 50051  max_reads: 4096  tls_cert: /certs/server.pem.
+
+Security (README, "Security"): plaintext is served only on a loopback --host; any other
+host needs --tls-cert/--tls-key (or --insecure). --tokens-file makes every call carry a
+bearer token (reread on SIGHUP and when the file changes); health checks and reflection
+stay open unless --open-services says otherwise. Environment: CROUPIER_TLS_CERT,
+CROUPIER_TLS_KEY, CROUPIER_TLS_CLIENT_CA, CROUPIER_TOKENS_FILE, CROUPIER_METRICS_TLS_CERT,
+CROUPIER_METRICS_TLS_KEY, CROUPIER_METRICS_AUTH_FILE, CROUPIER_METRICS_AUTH (user:password).
 """
 
 
@@ -35,11 +43,42 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--metrics-host", help="address of the metrics endpoint (default 127.0.0.1)")
     g.add_argument("--max-message-mb", type=int,
                    help=f"largest gRPC message in MiB; larger chunks are split (default {d.max_message_bytes >> 20})")
+    g = p.add_argument_group("security")
+    g.add_argument("--tls-cert", metavar="PEM", help="server certificate chain: serve gRPC over TLS (with --tls-key)")
+    g.add_argument("--tls-key", metavar="PEM", help="the certificate's private key")
+    g.add_argument("--tls-client-ca", metavar="PEM",
+                   help="mutual TLS: refuse clients without a certificate signed by this CA")
+    g.add_argument("--insecure", action="store_true", default=None,
+                   help="serve plaintext on a non-loopback --host anyway (behind a TLS proxy or in a private "
+                   "network); refused without it")
+    g.add_argument("--tokens-file", metavar="YAML",
+                   help="bearer tokens (name, token or sha256, optional dataset scope): every call must carry "
+                   "one; reread on SIGHUP and when the file changes")
+    g.add_argument("--open-services", metavar="LIST",
+                   help="services reachable without a token, comma-separated from health,reflection; "
+                   "'none' for none (default health,reflection)")
+    g.add_argument("--disclose-paths", action="store_true", default=None,
+                   help="tell clients where datasets live on the server (DatasetInfo.path, paths in errors); "
+                   "default: dataset names and member paths only")
+    g.add_argument("--metrics-tls-cert", metavar="PEM", help="serve /metrics over HTTPS with this certificate")
+    g.add_argument("--metrics-tls-key", metavar="PEM", help="its private key")
+    g.add_argument("--metrics-auth-file", metavar="FILE",
+                   help="file holding 'user:password': /metrics asks for HTTP basic auth "
+                   "(or env CROUPIER_METRICS_AUTH)")
     g = p.add_argument_group("data")
     g.add_argument("--data-root", action="append", dest="data_roots",
                    help="folder clients may stream paths from (a relative path is looked up under each in "
-                   "turn); dataset paths must lie under one (repeatable)")
+                   "turn); dataset paths, and every file a dataset reads, must lie under one (repeatable)")
     g.add_argument("--cache-dir", help="where tar offset indexes go when the data folder is read-only")
+    g.add_argument("--follow-symlinks-outside-roots", action="store_true", default=None,
+                   help="let links inside a dataset point outside its roots (default: refused; a dataset's "
+                   "roots are the --data-root folders, or without any, the dataset's own folder)")
+    g.add_argument("--strict-datasets", action="store_true", default=None,
+                   help="fail the start when a DATASET cannot be opened (default: log it, leave it unserved "
+                   "and serve the others; clients asking for it get FAILED_PRECONDITION)")
+    g.add_argument("--verify-images", action="store_true", default=None,
+                   help="decode every image on the server before sending it (default: a cheap check of each "
+                   "image's structure: signature, header, end marker, declared size)")
     g.add_argument("--storage-option", action="append", dest="storage_options", metavar="KEY=VALUE",
                    help="object-store setting for s3:// (gs://, az://) datasets, over the AWS_* environment "
                    "variables the cloud SDKs read: endpoint, region, access_key_id, secret_access_key, "
@@ -73,6 +112,9 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     g = p.add_argument_group("lifecycle and logs")
     g.add_argument("--grace", type=float, dest="grace_s",
                    help="seconds SIGTERM lets open streams finish (default 30)")
+    g.add_argument("--drain-notice", type=float, dest="drain_notice_s",
+                   help="seconds a draining server keeps its port open after SIGTERM, answering health checks "
+                   "NOT_SERVING and new streams UNAVAILABLE, even with no stream open (default 2; at most --grace)")
     g.add_argument("--ready-file", help="write {port, metrics_port, pid} as JSON here once serving")
     g.add_argument("--log-format", choices=["text", "json"], help="(default text)")
     g.add_argument("--log-level", default="INFO")
@@ -125,15 +167,22 @@ def _limits_changes(args: argparse.Namespace) -> dict:
 
 
 def build_server_config(args: argparse.Namespace):
-    from croupier.server.config import LatencySpec, ServerConfig, load_config_file
+    from croupier.server.config import LatencySpec, ServerConfig, env_settings, load_config_file
 
     config = load_config_file(args.config) if args.config else ServerConfig()
-    changes: dict = {}
+    changes: dict = env_settings(os.environ)
     for name in ("host", "port", "metrics_port", "metrics_host", "cache_dir", "max_reads", "workers", "io_threads",
-                 "grace_s", "log_format"):
+                 "grace_s", "drain_notice_s", "log_format", "tls_cert", "tls_key", "tls_client_ca", "insecure",
+                 "tokens_file", "disclose_paths", "metrics_tls_cert", "metrics_tls_key", "metrics_auth_file"):
         value = getattr(args, name)
         if value is not None:
             changes[name] = value
+    for name in ("follow_symlinks_outside_roots", "strict_datasets", "verify_images"):  # confinement, bad data
+        if getattr(args, name) is not None:
+            changes[name] = getattr(args, name)
+    if args.open_services is not None:
+        names = [n.strip() for n in args.open_services.split(",") if n.strip()]
+        changes["open_services"] = tuple(n for n in names if n != "none")
     if args.datasets:
         changes["datasets"] = tuple(args.datasets)
     if args.data_roots:
@@ -185,10 +234,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
         print("croupier serve: name at least one DATASET or a --data-root (see --help)", file=sys.stderr)
         return 2
     from croupier.server.app import run
+    from croupier.server.auth import TokenFileError
     from croupier.server.readers.base import DatasetError
+    from croupier.server.tls import SecurityConfigError
 
     try:
         run(config, args.ready_file)
+    except (SecurityConfigError, TokenFileError) as exc:
+        print(f"croupier serve: {exc}", file=sys.stderr)
+        return 2
     except (DatasetError, OSError) as exc:
         print(f"croupier serve: {exc}", file=sys.stderr)
         return 1

@@ -18,6 +18,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from croupier.security import check_address
+
 DESCRIPTION = __doc__.split("\n\n", 1)[1] + """
 Examples:
   croupier demo                                  # the digits, 2 ranks, 10 epochs
@@ -61,6 +63,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    "'' for none)")
     g.add_argument("--ordered", action="store_true", help="the ablation: fetch one sample at a time, in order")
     g.add_argument("--latency-ms", type=float, help="inject this median storage latency into every read")
+    from croupier.security import add_client_arguments
+
+    add_client_arguments(p.add_argument_group("connection security, with --server (README, Security)"))
     p.set_defaults(func=cmd_demo)
 
 
@@ -91,17 +96,23 @@ def _prepare_only(args: argparse.Namespace) -> int:
     return 0
 
 
-def _check_reachable(addresses: tuple[str, ...], timeout_s: float = 15.0) -> None:
+def _check_reachable(addresses: tuple[str, ...], timeout_s: float = 15.0, security=None) -> None:
     """Fail in seconds, naming the address, when no server answers its health check:
     otherwise the ranks would wait out their whole timeout retrying."""
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+    from croupier.security import ClientSecurity
+
+    security = security or ClientSecurity.resolve()
+    credentials = security.channel_credentials()
     failures = []
     for address in addresses:
-        with grpc.insecure_channel(address) as channel:
+        with (grpc.insecure_channel(address) if credentials is None else
+              grpc.secure_channel(address, credentials, options=security.channel_options())) as channel:
             try:
-                health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=timeout_s)
+                health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=timeout_s,
+                                                          metadata=security.metadata(address) or None)
             except grpc.RpcError as exc:
                 failures.append(f"{address} ({exc.code().name}: {exc.details()})")
     if len(failures) == len(addresses):
@@ -126,7 +137,18 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from croupier.demo_train import TrainOptions, pick_backend
 
     t0 = time.perf_counter()
+    from croupier.security import security_from_args
+
     servers = tuple(a for s in args.server for a in s.split(",") if a)
+    try:
+        for address in servers:
+            check_address(address)
+        security = security_from_args(args)
+        for address in servers:
+            security.metadata(address)
+    except ValueError as exc:
+        print(f"croupier demo: --server: {exc}", file=sys.stderr)
+        return 2
     server: ServerProcess | None = None
     ranks: RankGroup | None = None
     with tempfile.TemporaryDirectory(prefix="croupier-demo-") as tmp:
@@ -142,12 +164,15 @@ def cmd_demo(args: argparse.Namespace) -> int:
                 servers = (server.address,)
                 _say(f"croupier serve up on {server.address} (pid {server.proc.pid}) serving "
                      + ", ".join(specs))
-            _check_reachable(servers)
+            _check_reachable(servers, security=security if args.server else None)
             opts = TrainOptions(
                 servers=servers, train=train, test=test, epochs=args.epochs, batch_size=args.batch_size,
                 seed=args.seed, lr=args.lr, ordered=args.ordered, num_classes=classes, image_size=args.image_size,
                 label_column=args.label_column, features=tuple(f for f in args.features.split(",") if f),
                 summary_json=args.summary_json, timeout_s=args.timeout,
+                **({} if not args.server else dict(
+                    tls=bool(args.tls), tls_ca=args.tls_ca or "", tls_cert=args.tls_cert or "", tls_key=args.tls_key or "",
+                    tls_server_name=args.tls_server_name or "", token_file=args.token_file or "")),
             )
             # The ranks run on this machine with LOCAL_WORLD_SIZE = world size: they pick the same.
             backend = pick_backend(args.world_size)

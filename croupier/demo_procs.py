@@ -46,21 +46,24 @@ def tail(path: Path, lines: int = 30) -> str:
 class ServerProcess:
     """`croupier serve` on a free loopback port, ready once it has written its ready file."""
 
-    def __init__(self, datasets: Sequence[str], workdir: Path, extra_args: Sequence[str] = ()):
+    def __init__(self, datasets: Sequence[str], workdir: Path, extra_args: Sequence[str] = (), port: int = 0,
+                 name: str = "server"):
         self.workdir = workdir
-        self.ready_file = workdir / "server-ready.json"
-        self.log = workdir / "server.log"
-        self.cmd = [sys.executable, "-m", "croupier.cli", "serve", *datasets, "--host", "127.0.0.1", "--port", "0",
+        self.ready_file = workdir / f"{name}-ready.json"
+        self.log = workdir / f"{name}.log"
+        self.cmd = [sys.executable, "-m", "croupier.cli", "serve", *datasets, "--host", "127.0.0.1", "--port", str(port),
                     "--ready-file", str(self.ready_file), "--grace", "5", *extra_args]
         self.proc: subprocess.Popen | None = None
-        self.port = 0
+        self.port = port
+        self.metrics_port: int | None = None
 
     @property
     def address(self) -> str:
         return f"127.0.0.1:{self.port}"
 
     def start(self, ready_timeout_s: float = 60.0) -> "ServerProcess":
-        with open(self.log, "wb") as log:
+        self.ready_file.unlink(missing_ok=True)  # a restart waits for its own readiness
+        with open(self.log, "ab") as log:
             self.proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         deadline = time.monotonic() + ready_timeout_s
         while not self.ready_file.exists():
@@ -70,7 +73,8 @@ class ServerProcess:
                 self.stop()
                 raise TimeoutError(f"croupier serve was not ready in {ready_timeout_s:.0f}s:\n{tail(self.log)}")
             time.sleep(0.05)
-        self.port = int(json.loads(self.ready_file.read_text())["port"])
+        ready = json.loads(self.ready_file.read_text())
+        self.port, self.metrics_port = int(ready["port"]), ready.get("metrics_port")
         return self
 
     def stop(self) -> int | None:

@@ -17,6 +17,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
 from datetime import timedelta
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -24,6 +25,7 @@ import torch.nn.functional as F
 
 from croupier.client import Loader
 from croupier.client.wire import RETRYABLE, Connection
+from croupier.security import ClientSecurity
 from croupier.demo_model import batch_inputs, build_model
 from croupier.demo_progress import Progress, Summary, gather_rows
 
@@ -48,6 +50,25 @@ class TrainOptions:
     features: tuple[str, ...] = field(default_factory=tuple)
     summary_json: str = ""
     timeout_s: float = 600.0
+    # Connection security (croupier/security.py); the token travels as a file or in
+    # CROUPIER_TOKEN, never as a command-line value.
+    tls: bool = False
+    tls_ca: str = ""
+    tls_cert: str = ""
+    tls_key: str = ""
+    tls_server_name: str = ""
+    token_file: str = ""
+
+    def security(self) -> ClientSecurity:
+        token = None
+        if self.token_file:
+            try:
+                token = Path(self.token_file).read_text().strip()
+            except OSError as exc:
+                raise SystemExit(f"croupier demo: --token-file {self.token_file}: {exc.strerror or exc}") from None
+        return ClientSecurity.resolve(tls=self.tls or None, tls_ca=self.tls_ca or None, tls_cert=self.tls_cert or None,
+                                      tls_key=self.tls_key or None, token=token,
+                                      server_name=self.tls_server_name or None)
 
     def to_argv(self) -> list[str]:
         argv: list[str] = []
@@ -77,16 +98,23 @@ def parse_options(argv: Sequence[str] | None = None) -> TrainOptions:
             kind = {"int": int, "float": float}.get(f.type, str)
             p.add_argument(flag, type=kind, default=f.default)
     args = p.parse_args(argv)
+    from croupier.security import check_address
+
+    for address in args.servers:
+        try:
+            check_address(address)
+        except ValueError as exc:
+            p.error(f"--servers: {exc}")
     return TrainOptions(**vars(args))
 
 
-async def _describe(servers: Sequence[str], dataset: str):
+async def _describe(servers: Sequence[str], dataset: str, security: ClientSecurity | None = None):
     """The dataset's info from the first replica that answers."""
     import grpc
 
     last: Exception | None = None
     for address in servers:
-        conn = Connection(address)
+        conn = Connection(address, security)
         try:
             return await conn.describe(dataset, timeout=30)
         except grpc.aio.AioRpcError as exc:
@@ -109,10 +137,38 @@ def _resize(size: int):
     return transform
 
 
-def _loader(opts: TrainOptions, dataset: str, rank: int, world: int, device: torch.device) -> Loader:
+def training_columns(info, label_column: str, features: Sequence[str]) -> tuple[str, ...]:
+    """The columns a table dataset's batches need: the label and the named features, or
+    (none named) every scalar numeric column. Other columns (text, variable-length
+    lists) are not fetched, so they never reach collation. () for image datasets."""
+    import pyarrow as pa
+
+    if not info.arrow_schema:
+        return ()
+    schema = pa.ipc.read_schema(pa.py_buffer(info.arrow_schema))
+    if label_column not in schema.names:
+        raise SystemExit(f"croupier demo: dataset {info.name!r} has no label column {label_column!r}; "
+                         f"columns: {schema.names} (pass --label-column)")
+    if features:
+        missing = [f for f in features if f not in schema.names]
+        if missing:
+            raise SystemExit(f"croupier demo: dataset {info.name!r} has no column {missing[0]!r}; columns: {schema.names}")
+        return (label_column, *features)
+    numeric = [f.name for f in schema if f.name != label_column
+               and (pa.types.is_integer(f.type) or pa.types.is_floating(f.type) or pa.types.is_boolean(f.type))]
+    if not numeric:
+        raise SystemExit(f"croupier demo: dataset {info.name!r} has no numeric feature column besides "
+                         f"{label_column!r}; columns: {schema.names} (name them with --features)")
+    return (label_column, *numeric)
+
+
+def _loader(opts: TrainOptions, dataset: str, rank: int, world: int, device: torch.device,
+            columns: Sequence[str] = ()) -> Loader:
+    s = opts.security()
     return Loader(dataset, servers=list(opts.servers), batch_size=opts.batch_size, rank=rank, world_size=world,
                   seed=opts.seed, ordered=opts.ordered, transform=_resize(opts.image_size) if opts.image_size else None,
-                  device=device if device.type != "cpu" else None, pin_memory=device.type == "cuda")
+                  device=device if device.type != "cpu" else None, pin_memory=device.type == "cuda",
+                  columns=columns, tls=s.tls, tls_ca=s.tls_ca, tls_cert=s.tls_cert, tls_key=s.tls_key, token=s.token)
 
 
 def _shard(model: torch.nn.Module) -> torch.nn.Module:
@@ -155,11 +211,12 @@ def train(opts: TrainOptions) -> Summary | None:
 
 
 def _train(opts: TrainOptions, rank: int, world: int, device: torch.device) -> Summary | None:
-    info = asyncio.run(_describe(opts.servers, opts.train))
+    info = asyncio.run(_describe(opts.servers, opts.train, opts.security()))
     num_classes = opts.num_classes or len(info.classes)
     if num_classes < 2:
         raise SystemExit(f"croupier demo: dataset {opts.train!r} has no class list; pass --num-classes")
-    loader = _loader(opts, opts.train, rank, world, device)
+    columns = training_columns(info, opts.label_column, opts.features)
+    loader = _loader(opts, opts.train, rank, world, device, columns)
     progress = Progress(opts.epochs, len(loader), show=rank == 0)  # len() before iterating: it asks the server
     model: torch.nn.Module | None = None
     optimizer: torch.optim.Optimizer | None = None
@@ -198,7 +255,7 @@ def _train(opts: TrainOptions, rank: int, world: int, device: torch.device) -> S
     rows = gather()
     correct = total = 0
     if opts.test:
-        correct, total = evaluate(model, _loader(opts, opts.test, rank, world, device), opts)
+        correct, total = evaluate(model, _loader(opts, opts.test, rank, world, device, columns), opts)
         counts = torch.tensor([correct, total], dtype=torch.int64, device=device)
         dist.all_reduce(counts)
         correct, total = (int(v) for v in counts.tolist())

@@ -26,6 +26,8 @@ from typing import Any
 
 import numpy as np
 
+from croupier.security import ClientSecurity, add_client_arguments, check_address, security_from_args
+
 CALL = "croupier.v1.Croupier.StreamEpoch"
 PERCENTILES = (50, 90, 99, 99.9)
 
@@ -81,13 +83,13 @@ class CallResult:
     detail: str = ""
 
 
-async def one_call(stub: Any, request: Any, timeout_s: float) -> CallResult:
+async def one_call(stub: Any, request: Any, timeout_s: float, metadata: tuple = ()) -> CallResult:
     import grpc
 
     t0 = time.perf_counter()
     r = CallResult(code="OK", duration_s=0.0)
     last = t0
-    call = stub.StreamEpoch(request, timeout=timeout_s)
+    call = stub.StreamEpoch(request, timeout=timeout_s, metadata=metadata or None)
     try:
         async for msg in call:
             if not msg.HasField("chunk"):
@@ -112,7 +114,7 @@ async def one_call(stub: Any, request: Any, timeout_s: float) -> CallResult:
 
 
 async def _phase(stubs: list[Any], opts: LoadOptions, total: int | None, seconds: float | None,
-                 numbers: itertools.count) -> tuple[list[CallResult], float]:
+                 numbers: itertools.count, metadata: tuple = ()) -> tuple[list[CallResult], float]:
     """Run workers until `total` calls were issued or `seconds` passed; returns results and wall time."""
     results: list[CallResult] = []
     issued = itertools.count()
@@ -125,7 +127,7 @@ async def _phase(stubs: list[Any], opts: LoadOptions, total: int | None, seconds
             if total is not None and next(issued) >= total:
                 return
             request = render_request(opts.data, next(numbers), wid)
-            results.append(await one_call(stub, request, opts.timeout_s))
+            results.append(await one_call(stub, request, opts.timeout_s, metadata))
 
     tasks = [asyncio.create_task(worker(w)) for w in range(opts.concurrency)]
     if seconds is None:
@@ -179,25 +181,32 @@ def summarize(results: list[CallResult], wall_s: float) -> dict[str, Any]:
     }
 
 
-async def run_load_async(opts: LoadOptions) -> dict[str, Any]:
+async def run_load_async(opts: LoadOptions, security: ClientSecurity | None = None) -> dict[str, Any]:
+    """`security` (TLS, token) is kept out of `opts`: the report repeats opts, never a token."""
     import grpc
 
     from croupier.v1 import croupier_pb2_grpc as pb_grpc
 
     render_request(opts.data, 0, 0)  # a bad template fails before any call
+    check_address(opts.target)
+    security = security or ClientSecurity.resolve()
+    metadata = security.metadata(opts.target)
     options = [("grpc.max_receive_message_length", 256 << 20), ("grpc.enable_retries", 0),
                # Separate channels must not share one TCP connection.
-               ("grpc.use_local_subchannel_pool", 1)]
-    channels = [grpc.aio.insecure_channel(opts.target, options=options) for _ in range(opts.connections)]
+               ("grpc.use_local_subchannel_pool", 1)] + security.channel_options()
+    credentials = security.channel_credentials()
+    channels = [grpc.aio.insecure_channel(opts.target, options=options) if credentials is None
+                else grpc.aio.secure_channel(opts.target, credentials, options=options)
+                for _ in range(opts.connections)]
     try:
         stubs = [pb_grpc.CroupierStub(ch) for ch in channels]
         numbers = itertools.count()
         warmup = None
         if opts.warmup_s > 0:
-            w_results, w_wall = await _phase(stubs, opts, None, opts.warmup_s, numbers)
+            w_results, w_wall = await _phase(stubs, opts, None, opts.warmup_s, numbers, metadata)
             warmup = {k: v for k, v in summarize(w_results, w_wall).items()
                       if k in ("calls", "ok", "samples", "status_codes", "seconds")}
-        results, wall = await _phase(stubs, opts, opts.total, opts.duration_s, numbers)
+        results, wall = await _phase(stubs, opts, opts.total, opts.duration_s, numbers, metadata)
     finally:
         for ch in channels:
             await ch.close()
@@ -207,14 +216,14 @@ async def run_load_async(opts: LoadOptions) -> dict[str, Any]:
     return report
 
 
-def run_load(opts: LoadOptions) -> dict[str, Any]:
+def run_load(opts: LoadOptions, security: ClientSecurity | None = None) -> dict[str, Any]:
     """Blocking: run the load test on a fresh event loop (uvloop when installed)."""
     try:
         import uvloop
 
-        return uvloop.run(run_load_async(opts))
+        return uvloop.run(run_load_async(opts, security))
     except ImportError:
-        return asyncio.run(run_load_async(opts))
+        return asyncio.run(run_load_async(opts, security))
 
 
 # ---- output -----------------------------------------------------------------------
@@ -281,6 +290,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("-t", "--timeout", type=float, default=20.0, help="deadline of each call in seconds (default 20)")
     p.add_argument("-O", "--format", choices=["text", "json"], default="text")
     p.add_argument("-o", "--output", help="write the report here instead of stdout")
+    add_client_arguments(p.add_argument_group("connection security (README, Security)"))
     p.set_defaults(func=cmd_loadtest)
 
 
@@ -294,7 +304,7 @@ def cmd_loadtest(args: argparse.Namespace) -> int:
         opts = LoadOptions(target=args.target, data=data, concurrency=args.concurrency,
                            connections=args.connections, total=total, duration_s=args.duration,
                            warmup_s=args.warmup, timeout_s=args.timeout, duration_stop=args.duration_stop)
-        report = run_load(opts)
+        report = run_load(opts, security_from_args(args))
     except ValueError as exc:
         print(f"croupier loadtest: {exc}", file=sys.stderr)
         return 2

@@ -25,6 +25,16 @@ class UnknownDatasetError(LookupError):
     pass
 
 
+class DatasetUnavailableError(LookupError):
+    """A dataset the server was told to serve, which failed to open at start (the
+    message says why); clients get FAILED_PRECONDITION, not NOT_FOUND."""
+
+
+def one_line(exc: BaseException) -> str:
+    """An error's message on one line (schemas and tracebacks span several)."""
+    return " ".join(str(exc).split()) or type(exc).__name__
+
+
 def parse_dataset_spec(spec: str) -> tuple[str | None, str]:
     """'NAME=PATH' -> (NAME, PATH); 'PATH' -> (None, PATH)."""
     name, sep, path = spec.partition("=")
@@ -53,6 +63,8 @@ class Catalog:
         executor: concurrent.futures.Executor | None = None,
         store: Store | None = None,
         storage_options: Mapping[str, Any] | None = None,
+        follow_symlinks_outside_roots: bool = False,
+        verify_images: bool = False,
         max_path_datasets: int = 0,
         path_idle_s: float = 0.0,
     ):
@@ -64,11 +76,20 @@ class Catalog:
         self.cache_dir = cache_dir
         self.latency = latency
         self.executor = executor
+        #: Off (the default): every file a local dataset touches must resolve under its
+        #: roots (see `confined_store`); on: links inside datasets are followed anywhere.
+        self.follow_symlinks_outside_roots = follow_symlinks_outside_roots
+        #: Image datasets decode every image before sending it (else: the cheap check only).
+        self.verify_images = verify_images
         self._by_name: dict[str, Reader] = {}
         # Datasets opened by path, least recently used first: each is closed once no
         # stream uses it and it has been idle `path_idle_s`, or sooner when opening
         # another would pass `max_path_datasets` (0: no bound, never closed when idle).
         self._by_path: collections.OrderedDict[str, Reader] = collections.OrderedDict()
+        #: Datasets named at start that failed to open: name -> why (left unserved).
+        self.failed: dict[str, str] = {}
+        #: ... and name -> the path they were named with.
+        self.failed_paths: dict[str, str] = {}
         self._opening: dict[str, asyncio.Future[Reader]] = {}
         self.max_path_datasets = max_path_datasets
         self.path_idle_s = path_idle_s
@@ -81,6 +102,8 @@ class Catalog:
         self.on_close: Callable[[Reader], None] | None = None
 
     def _wrap(self, reader: Reader) -> Reader:
+        if self.verify_images and hasattr(reader, "verify_images"):
+            reader.verify_images = True  # type: ignore[attr-defined]
         if self.executor is not None:
             reader.bind_executor(self.executor)
         if self.latency is None:
@@ -97,14 +120,36 @@ class Catalog:
             overrides={int(k): float(v) for k, v in (lat.overrides or {}).items()},
         )
 
+    def confined_store(self, path: str) -> Store | None:
+        """The store a local dataset at `path` reads through: the server's, confined to the
+        data roots when there are any, else to the dataset's own folder (a file's: its
+        folder). None (the server's store as it is) when links may point anywhere."""
+        if self.follow_symlinks_outside_roots:
+            return self.store
+        from .readers.base import MemberOutsideRootsError
+        from .storage import default_local_store
+        from .storage.confined import ConfinedStore, dataset_roots
+
+        inner = self.store if self.store is not None else default_local_store()
+        return ConfinedStore(inner, dataset_roots(path, self.data_roots), MemberOutsideRootsError)  # type: ignore[arg-type]
+
     def _open_path(self, path: str, name: str | None) -> Reader:
         from .readers import open_dataset, resolve_under_roots
 
-        if self.data_roots and not is_url(path):
-            path = str(resolve_under_roots(path, self.data_roots))
-        return self._wrap(open_dataset(
-            path, name=name, cache_dir=self.cache_dir, store=self.store, storage_options=self.storage_options or None
-        ))
+        store = self.store
+        if not is_url(path):
+            if self.data_roots:
+                path = str(resolve_under_roots(path, self.data_roots))
+            store = self.confined_store(path.removeprefix("file://"))
+        try:
+            reader = open_dataset(
+                path, name=name, cache_dir=self.cache_dir, store=store, storage_options=self.storage_options or None
+            )
+        except BaseException:
+            if store is not None and store is not self.store:
+                store.close()  # unpins what the failed open pinned
+            raise
+        return self._wrap(reader)
 
     def add(self, spec: str) -> Reader:
         """Open a dataset named on the command line or in the config file (blocking)."""
@@ -117,6 +162,17 @@ class Catalog:
             raise DatasetError(f"two datasets are named {reader.name!r}; name them with NAME=PATH")
         self._by_name[reader.name] = reader
         return reader
+
+    def add_failed(self, spec: str, exc: BaseException) -> str:
+        """Record that dataset `spec` failed to open (it stays unserved); returns its name."""
+        from .readers import default_name
+
+        name, path = parse_dataset_spec(spec)
+        name = name or default_name(path)
+        if name not in self._by_name:
+            self.failed[name] = one_line(exc)
+            self.failed_paths[name] = path
+        return name
 
     def readers(self) -> list[Reader]:
         """Every dataset open now (named ones and those opened by path)."""
@@ -139,20 +195,23 @@ class Catalog:
         """As `get`, and a dataset opened by path stays open until `release`d."""
         if name_or_path in self._by_name:
             return self._by_name[name_or_path]
+        if name_or_path in self.failed:
+            raise DatasetUnavailableError(
+                f"dataset {name_or_path!r} failed to open when the server started and is not served: "
+                f"{self.failed[name_or_path]}"
+            )
         if not self.data_roots or not name_or_path:
             raise UnknownDatasetError(
                 f"dataset {name_or_path!r} is not served here; datasets: {self.names()}"
                 + ("" if self.data_roots else " (no data roots are configured, so paths are not accepted)")
             )
-        # A relative path is looked up under each root in turn (the first that has it
-        # wins); os.path.join keeps an absolute one as it is.
-        candidate = next(
-            (c for c in (os.path.join(r, name_or_path) for r in self.data_roots) if os.path.lexists(c)), None
-        )
+        candidate = self._under_roots(name_or_path)
         if candidate is None:
+            # One answer whether or not the path exists: a client cannot probe outside
+            # the roots, nor learn where they are.
             raise UnknownDatasetError(
-                f"dataset {name_or_path!r} is not served here, nor a path under the data roots "
-                f"{list(self.data_roots)}; datasets: {self.names()}"
+                f"dataset {name_or_path!r} is not served here, nor a dataset path under the data roots; "
+                f"datasets: {self.names()}"
             )
         key = os.path.realpath(candidate)
         if key in self._by_path:
@@ -234,6 +293,18 @@ class Catalog:
         """Keys (real paths) of the datasets opened by path and still open."""
         return list(self._by_path)
 
+    def _under_roots(self, name_or_path: str) -> str | None:
+        """The path a client named, if it exists and resolves under a data root. A
+        relative path is looked up under each root in turn (the first that has it wins);
+        os.path.join keeps an absolute one as it is."""
+        from .storage.confined import under
+
+        for root in self.data_roots:
+            candidate = os.path.join(root, name_or_path)
+            if under(os.path.realpath(candidate), self.data_roots) and os.path.lexists(candidate):
+                return candidate
+        return None
+
     def close(self) -> None:
         for timer in self._idle_timers.values():
             timer.cancel()
@@ -244,4 +315,4 @@ class Catalog:
             self.store.close()
 
 
-__all__ = ["Catalog", "UnknownDatasetError", "OutsideRootsError", "parse_dataset_spec"]
+__all__ = ["Catalog", "DatasetUnavailableError", "UnknownDatasetError", "OutsideRootsError", "parse_dataset_spec"]

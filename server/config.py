@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -32,6 +33,16 @@ class ServerConfig:
     port: int = 50051
     #: Clients may also stream paths under these folders; dataset paths must lie in them.
     data_roots: tuple[str, ...] = ()
+    #: Off (the default): every file a local dataset touches (members, links, listed data
+    #: files, shards, class folders) must resolve under the data roots, or, when there are
+    #: none, under the dataset's own folder. On: links inside datasets may point anywhere.
+    follow_symlinks_outside_roots: bool = False
+    #: A dataset named here that fails to open stops the start (on), or is logged and left
+    #: unserved while the others serve (off, the default).
+    strict_datasets: bool = False
+    #: Decode every image on the server before sending it (Pillow, in the CPU pool); off,
+    #: only the cheap structural check of images.py runs.
+    verify_images: bool = False
     #: Where indexes go when the data folder is read-only (tar offset indexes).
     cache_dir: str | None = None
     #: Port of the Prometheus /metrics endpoint; -1 turns it off, 0 picks a free port.
@@ -51,6 +62,10 @@ class ServerConfig:
     latency: LatencySpec | None = None
     #: Seconds SIGTERM waits for open streams to finish before cancelling them.
     grace_s: float = 30.0
+    #: Seconds a draining server keeps answering (health NOT_SERVING, new streams
+    #: UNAVAILABLE) even once no stream is open, so health checkers and clients see the
+    #: drain instead of a refused connection. At most grace_s.
+    drain_notice_s: float = 2.0
     max_message_bytes: int = 64 << 20
     # Fair limits (README "Limits"); 0 turns a count or a timeout off.
     #: Streams open at once over the whole server, per client identity, per connection.
@@ -80,12 +95,34 @@ class ServerConfig:
     max_connection_age_s: float = 3600.0
     max_connection_age_grace_s: float = 60.0
     log_format: str = "text"  # or "json"
+    # ---- transport security and identity (README "Security") ----
+    #: TLS for gRPC: the server's certificate chain and private key (PEM files), both or neither.
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    #: Mutual TLS: every client must present a certificate signed by this CA (PEM).
+    tls_client_ca: str | None = None
+    #: Serve plaintext on a non-loopback host anyway (behind a TLS-terminating proxy, or a
+    #: private network); without it such a bind is refused.
+    insecure: bool = False
+    #: Bearer tokens (YAML, see server/auth.py); None: calls need no token.
+    tokens_file: str | None = None
+    #: Services a caller reaches without a token: any of "health", "reflection".
+    open_services: tuple[str, ...] = ("health", "reflection")
+    #: Tell clients where datasets live on the server (DatasetInfo.path, error messages).
+    disclose_paths: bool = False
+    #: TLS for /metrics (PEM files), and a file holding "user:password" for its basic auth
+    #: (or the CROUPIER_METRICS_AUTH environment variable).
+    metrics_tls_cert: str | None = None
+    metrics_tls_key: str | None = None
+    metrics_auth_file: str | None = None
 
     def __post_init__(self) -> None:
         if self.max_reads < 1:
             raise ValueError(f"max_reads must be at least 1, got {self.max_reads}")
         if self.workers < 1:
             raise ValueError(f"workers must be at least 1, got {self.workers}")
+        if self.grace_s < 0 or self.drain_notice_s < 0:
+            raise ValueError(f"grace and drain_notice must be >= 0 seconds, got {self.grace_s} and {self.drain_notice_s}")
         if self.io_threads < 1:
             raise ValueError(f"io_threads must be at least 1, got {self.io_threads}")
         for name in _NON_NEGATIVE:
@@ -93,6 +130,11 @@ class ServerConfig:
                 raise ValueError(f"{name} must not be negative (0 turns it off), got {getattr(self, name)}")
         if self.max_request_bytes < 1024:
             raise ValueError(f"max_request_bytes must be at least 1024, got {self.max_request_bytes}")
+        for cert, key, flag in (("tls_cert", "tls_key", "--tls"), ("metrics_tls_cert", "metrics_tls_key", "--metrics-tls")):
+            if (getattr(self, cert) is None) != (getattr(self, key) is None):
+                raise ValueError(f"{flag}-cert and {flag}-key ({cert}, {key}) go together: give both or neither")
+        if self.tls_client_ca and not self.tls_cert:
+            raise ValueError("--tls-client-ca (mutual TLS) needs --tls-cert and --tls-key too")
 
 
 _NON_NEGATIVE = (
@@ -101,6 +143,23 @@ _NON_NEGATIVE = (
     "keepalive_timeout_s", "min_client_ping_interval_s", "max_connection_idle_s", "max_connection_age_s",
     "max_connection_age_grace_s",
 )
+
+
+#: Environment variables that fill settings (between the config file and the flags).
+ENV_SETTINGS = {
+    "CROUPIER_TLS_CERT": "tls_cert",
+    "CROUPIER_TLS_KEY": "tls_key",
+    "CROUPIER_TLS_CLIENT_CA": "tls_client_ca",
+    "CROUPIER_TOKENS_FILE": "tokens_file",
+    "CROUPIER_METRICS_TLS_CERT": "metrics_tls_cert",
+    "CROUPIER_METRICS_TLS_KEY": "metrics_tls_key",
+    "CROUPIER_METRICS_AUTH_FILE": "metrics_auth_file",
+}
+
+
+def env_settings(environ: Mapping[str, str]) -> dict[str, str]:
+    """The settings the environment gives (non-empty CROUPIER_* variables of ENV_SETTINGS)."""
+    return {name: environ[var] for var, name in ENV_SETTINGS.items() if environ.get(var)}
 
 
 _LIMIT_FIELDS = {f.name for f in dataclasses.fields(FetchLimits)}
@@ -120,7 +179,7 @@ def config_from_mapping(raw: dict[str, Any], source: str = "config") -> ServerCo
         elif key == "latency":
             values["latency"] = None if value is None else LatencySpec(**value)
         elif key in known:
-            values[key] = tuple(value) if key in ("datasets", "data_roots") else value
+            values[key] = tuple(value) if key in ("datasets", "data_roots", "open_services") else value
         else:
             raise ValueError(f"{source}: unknown setting {key!r}; known: {sorted(known | _LIMIT_FIELDS)}")
     bad = set(limits) - _LIMIT_FIELDS

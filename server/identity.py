@@ -1,12 +1,13 @@
 """Who is calling: the identity that per-client limits count against.
 
-One function, so that authentication can widen it in one place (a bearer token's name
-when the call carries one); today it is the peer's IP address, without the port.
+"token:NAME" when the call carries a bearer token, "cert:CN" for a verified client
+certificate, else "peer:ADDRESS" (the peer's IP address, without the port): see
+`auth.caller_identity`. A connection is the full peer (address and port).
 """
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Any, Protocol
 
 
 class _HasPeer(Protocol):
@@ -31,9 +32,11 @@ def peer_host(peer: str) -> str:
     return peer  # unix sockets and other transports: the whole peer names the client
 
 
-def client_identity(context: _HasPeer) -> str:
-    """The key per-client limits count against: the caller's IP address."""
-    return peer_host(context.peer() or "unknown")
+def client_identity(context: Any, tokens: Any = None) -> str:
+    """The key per-client limits count against (`tokens`: the server's TokenStore)."""
+    from .auth import caller_identity
+
+    return caller_identity(context, tokens)
 
 
 def connection_identity(context: _HasPeer) -> str:

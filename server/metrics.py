@@ -79,7 +79,8 @@ class StorageStats:
         self.stores: list = []  # croupier.server.storage.Store
 
     def add(self, store) -> None:
-        if all(s is not store for s in self.stores):
+        # A dataset's ConfinedStore shares its stats with the server's store: count once.
+        if all(s is not store and s.stats is not store.stats for s in self.stores):
             self.stores.append(store)
 
     def collect(self):

@@ -17,7 +17,8 @@ from croupier.options import StreamOptions
 from croupier.v1 import croupier_pb2 as pb
 from croupier.v1 import croupier_pb2_grpc as pb_grpc
 
-from .catalog import Catalog, UnknownDatasetError
+from .auth import Principal, ScopeError, TokenStore, check_scope, path_under_roots, principal_of
+from .catalog import Catalog, DatasetUnavailableError, UnknownDatasetError
 from .convert import chunk_to_proto, dataset_info_to_proto, header_to_proto
 from .identity import client_identity, connection_identity
 from .limits import LIMIT_METADATA_KEY, LimitExceeded, StreamAdmission, StreamIdleError
@@ -25,7 +26,8 @@ from .fairshare import FairShare
 from .memory import MemoryTrimmer
 from .metrics import ServerMetrics
 from .planner import BatchRangeError, EpochPlan, PlanError
-from .readers.base import DatasetError, OutsideRootsError, UnknownColumnError
+from .readers.base import DatasetError, DatasetInfo, MemberOutsideRootsError, OutsideRootsError, Reader, UnknownColumnError
+from .redact import PathRedactor
 from .scheduler import BufferBudget, ChunkTooLargeError, Dealer, FetchLimits, ReadBudget, StreamRange
 
 log = logging.getLogger("croupier.server")
@@ -35,7 +37,10 @@ def status_for(exc: BaseException) -> grpc.StatusCode:
     """The gRPC status a failure maps to."""
     for kind, code in (
         (UnknownDatasetError, grpc.StatusCode.NOT_FOUND),
+        (DatasetUnavailableError, grpc.StatusCode.FAILED_PRECONDITION),  # named at start, failed to open
         (OutsideRootsError, grpc.StatusCode.PERMISSION_DENIED),
+        (MemberOutsideRootsError, grpc.StatusCode.PERMISSION_DENIED),
+        (ScopeError, grpc.StatusCode.PERMISSION_DENIED),
         (BatchRangeError, grpc.StatusCode.OUT_OF_RANGE),
         (PlanError, grpc.StatusCode.INVALID_ARGUMENT),
         (UnknownColumnError, grpc.StatusCode.INVALID_ARGUMENT),
@@ -47,6 +52,27 @@ def status_for(exc: BaseException) -> grpc.StatusCode:
         if isinstance(exc, kind):
             return code
     return grpc.StatusCode.INTERNAL
+
+
+#: Longest dataset name or path a request may carry (Linux's PATH_MAX).
+MAX_NAME_CHARS = 4096
+#: Status details and log lines are cut to this: a client's 8 KiB metadata limit would
+#: otherwise turn a long message into RESOURCE_EXHAUSTED on its side, and every refused
+#: request would cost the log twice its name.
+MAX_DETAIL_CHARS = 1024
+
+
+class RequestTooLargeError(PlanError):
+    """A field of the request is larger than any real one (INVALID_ARGUMENT)."""
+
+
+def shorten(text: str, limit: int = MAX_DETAIL_CHARS) -> str:
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text) - limit:,} more characters)"
+
+
+def _check_name(name: str) -> None:
+    if len(name) > MAX_NAME_CHARS:
+        raise RequestTooLargeError(f"dataset name of {len(name):,} characters is too long (at most {MAX_NAME_CHARS:,})")
 
 
 def _check_columns(info, columns) -> None:
@@ -101,6 +127,11 @@ class _IdleWatch:
 
 
 class CroupierService(pb_grpc.CroupierServicer):
+    #: Bearer tokens in force (the interceptor checks them; this class checks their scope).
+    tokens: TokenStore | None = None
+    #: Server paths out of replies and error messages (server/redact.py).
+    redact: PathRedactor = PathRedactor(disclose=True)
+
     def __init__(
         self,
         catalog: Catalog,
@@ -130,17 +161,21 @@ class CroupierService(pb_grpc.CroupierServicer):
         self.executor = executor
         self.metrics = metrics
         self.active: set[asyncio.Task] = set()
+        #: Set by a graceful stop: open streams finish, new ones go to another replica.
+        self.draining = False
 
-    async def _abort(self, context: grpc.aio.ServicerContext, exc: BaseException, what: str) -> None:
-        await context.abort(self._failed(context, exc, what), str(exc))
+    async def _abort(self, context: grpc.aio.ServicerContext, exc: BaseException, what: str,
+                     asked: str = "") -> None:
+        code = self._failed(context, exc, what)
+        await context.abort(code, shorten(self._client_message(exc, context, asked)))
 
-    def _end(self, context: grpc.aio.ServicerContext, exc: BaseException, what: str) -> None:
+    def _end(self, context: grpc.aio.ServicerContext, exc: BaseException, what: str, asked: str = "") -> None:
         """Set the status and let the handler return: unlike `abort`, which waits for
         the status to be sent (never, to a client that reads nothing), the handler and
         what it holds go now; grpc sends the status once the client reads or the
         connection is reaped (keepalive, connection age)."""
         context.set_code(self._failed(context, exc, what))
-        context.set_details(str(exc))
+        context.set_details(shorten(self._client_message(exc, context, asked)))
 
     def _failed(self, context: grpc.aio.ServicerContext, exc: BaseException, what: str) -> grpc.StatusCode:
         """Count and log a failure; returns its status."""
@@ -153,7 +188,7 @@ class CroupierService(pb_grpc.CroupierServicer):
         elif code is grpc.StatusCode.INTERNAL:
             log.exception("%s failed", what, exc_info=exc)
         else:
-            log.warning("%s: %s: %s", what, code.name, exc)
+            log.warning("%s: %s: %s", what, code.name, shorten(str(exc)))
         return code
 
     def _log_refusal(self, exc: LimitExceeded, what: str) -> None:
@@ -167,23 +202,66 @@ class CroupierService(pb_grpc.CroupierServicer):
         more = f" ({quiet} more refusals of this limit in the last {now - last:.0f}s)" if quiet else ""
         log.warning("%s: RESOURCE_EXHAUSTED: %s%s", what, exc, more)
 
+    def _client_message(self, exc: BaseException, context: grpc.aio.ServicerContext, asked: str = "") -> str:
+        """What the client is told: no server paths (unless disclosed), and a scoped token
+        hears only of the datasets it may read."""
+        principal = principal_of(context, self.tokens)
+        if isinstance(exc, UnknownDatasetError) and principal is not None and principal.datasets is not None:
+            names = [n for n in self.catalog.names() if principal.may_read(n)]
+            return f"no such dataset; datasets this token may read: {names}"
+        return self.redact(str(exc), keep=asked)
+
+    async def _open(self, name: str, context: grpc.aio.ServicerContext, hold: bool = False) -> Reader:
+        """The dataset `name`, if the caller's token may read it; with `hold`, a dataset
+        opened by path stays open until `catalog.release` (a stream's lifetime)."""
+        principal = principal_of(context, self.tokens)
+        check_scope(principal, name)  # before opening: the answer must not say whether it exists
+        reader = await (self.catalog.acquire(name) if hold else self.catalog.get(name))
+        try:
+            if principal is not None and principal.datasets is not None and name not in self.catalog.names():
+                # Opened by path: the folder it really is (after symlinks) must be in scope too.
+                rel = path_under_roots(reader.path, self.catalog.data_roots)
+                check_scope(principal, rel if rel is not None else reader.path)
+        except BaseException:
+            if hold:
+                self.catalog.release(reader)
+            raise
+        return reader
+
+    def _info(self, info: DatasetInfo) -> pb.DatasetInfo:
+        msg = dataset_info_to_proto(info)
+        msg.path = self.redact.info_path(msg.path)
+        return msg
+
+    def _header(self, reader: Reader, plan: EpochPlan, span: StreamRange) -> pb.StreamEpochResponse:
+        msg = header_to_proto(reader.info(), plan, span)
+        msg.header.dataset.path = self.redact.info_path(msg.header.dataset.path)
+        return msg
+
     async def ListDatasets(self, request: pb.ListDatasetsRequest, context) -> pb.ListDatasetsResponse:
-        return pb.ListDatasetsResponse(datasets=[dataset_info_to_proto(i) for i in self.catalog.infos()])
+        principal: Principal | None = principal_of(context, self.tokens)
+        infos = [i for i in self.catalog.infos() if principal is None or principal.may_read(i.name)]
+        return pb.ListDatasetsResponse(datasets=[self._info(i) for i in infos])
 
     async def DescribeDataset(self, request: pb.DescribeDatasetRequest, context) -> pb.DatasetInfo:
         try:
-            reader = await self.catalog.get(request.name)
-        except (LookupError, DatasetError, OSError, LimitExceeded) as exc:
-            await self._abort(context, exc, f"DescribeDataset({request.name!r})")
-        return dataset_info_to_proto(reader.info())
+            _check_name(request.name)
+            reader = await self._open(request.name, context)
+        except (LookupError, DatasetError, OSError, PlanError, LimitExceeded) as exc:
+            await self._abort(context, exc, f"DescribeDataset({shorten(repr(request.name), 200)})", request.name)
+        return self._info(reader.info())
 
     async def StreamEpoch(self, request: pb.StreamEpochRequest, context: grpc.aio.ServicerContext) -> None:
         # Written with context.write (not a generator) so that a write blocked on a
         # client that stopped reading can time out and end the stream with a status.
+        if self.draining:
+            self.metrics.streams_total.labels("UNAVAILABLE").inc()
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the server is draining (shutting down): "
+                                "ask another replica, or this one once it is back")
         opts = StreamOptions.from_proto(request)
-        what = f"StreamEpoch({opts.dataset!r} rank {opts.rank}/{opts.world_size} epoch {opts.epoch})"
+        what = f"StreamEpoch({shorten(repr(opts.dataset), 200)} rank {opts.rank}/{opts.world_size} epoch {opts.epoch})"
         try:
-            ticket = self.admission.admit(client_identity(context), connection_identity(context))
+            ticket = self.admission.admit(client_identity(context, self.tokens), connection_identity(context))
         except LimitExceeded as exc:
             await self._abort(context, exc, what)
         self.metrics.active_streams.inc()
@@ -194,7 +272,8 @@ class CroupierService(pb_grpc.CroupierServicer):
         reader = None
         try:
             try:
-                reader = await self.catalog.acquire(opts.dataset)
+                _check_name(opts.dataset)
+                reader = await self._open(opts.dataset, context, hold=True)
                 plan = EpochPlan(
                     num_rows=len(reader),
                     seed=opts.seed,
@@ -224,12 +303,12 @@ class CroupierService(pb_grpc.CroupierServicer):
                 )
             except (LookupError, DatasetError, PlanError, OSError, LimitExceeded) as exc:
                 outcome = None
-                await self._abort(context, exc, what)
+                await self._abort(context, exc, what, opts.dataset)
             name = reader.name
             writer = _IdleWatch(context, self.stream_idle_timeout_s)
             chunks = aiter(dealer)
             try:
-                await writer.write(header_to_proto(reader.info(), plan, span))
+                await writer.write(self._header(reader, plan, span))
                 async for chunk in chunks:
                     await writer.write(chunk_to_proto(chunk, plan.epoch))
                     self.metrics.samples.labels(name).inc(len(chunk.refs))
@@ -242,7 +321,7 @@ class CroupierService(pb_grpc.CroupierServicer):
                 return
             except (DatasetError, OSError, ChunkTooLargeError) as exc:
                 outcome = None
-                await self._abort(context, exc, what)
+                await self._abort(context, exc, what, opts.dataset)
             finally:
                 await chunks.aclose()
             outcome = "OK"

@@ -125,13 +125,18 @@ def test_unknown_column_is_invalid_and_lists_the_columns(server) -> None:
     assert "'nope'" in err.details() and "payload" in err.details()
 
 
-def test_path_outside_the_data_roots_is_denied(server, tmp_path: Path) -> None:
+def test_path_outside_the_data_roots_is_not_found_as_if_absent(server, tmp_path: Path) -> None:
+    # Outside the roots, a file that exists and one that does not get the same answer:
+    # a client cannot probe the server's file system, nor learn where the roots are.
     outside = tmp_path / "elsewhere.arrow"
     outside.write_bytes(b"")
-    for path in (str(outside), "../elsewhere.arrow"):
+    answers = set()
+    for path in (str(outside), "../elsewhere.arrow", str(tmp_path / "absent.arrow"), "../absent.arrow", "/etc/shadow"):
         err = _stream_error(server.address, dataset=path, batch_size=4)
-        assert err.code() == grpc.StatusCode.PERMISSION_DENIED
-        assert "elsewhere.arrow" in err.details()
+        assert err.code() == grpc.StatusCode.NOT_FOUND
+        assert str(tmp_path / "data") not in err.details().replace(repr(path), "")
+        answers.add(err.details().replace(repr(path), "PATH"))
+    assert len(answers) == 1, answers
     _still_serves(server.address)
 
 
@@ -150,7 +155,8 @@ def test_relative_path_is_looked_up_under_every_data_root(serve_inprocess, data_
     got = [i for b in Loader("only_here.arrow", servers=srv.address, batch_size=10).batches() for i in b.indices]
     assert sorted(got) == list(range(30))
     err = _stream_error(srv.address, dataset="nowhere.arrow", batch_size=4)
-    assert err.code() == grpc.StatusCode.NOT_FOUND and str(second) in err.details()
+    assert err.code() == grpc.StatusCode.NOT_FOUND and "nowhere.arrow" in err.details()
+    assert str(second) not in err.details()  # where the roots are is not told to clients
 
 
 @pytest.mark.parametrize("path", ["corrupt.arrow", "truncated.parquet", "broken_shards"])

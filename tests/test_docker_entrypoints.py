@@ -265,7 +265,9 @@ def test_images_run_as_an_unprivileged_user_with_a_healthcheck() -> None:
         image = parse_dockerfile(DOCKER / name)
         assert image.user not in ("root", "0", ""), f"{name} runs as root"
         assert image.entrypoint, f"{name} has no ENTRYPOINT"
-    assert "grpc_health" in " ".join(parse_dockerfile(DOCKER / "Dockerfile").healthcheck)
+    # The probe connects as a client does (TLS and token from the environment), with grpc_health.
+    assert parse_dockerfile(DOCKER / "Dockerfile").healthcheck[-1] == "croupier.healthcheck"
+    assert "grpc_health" in (REPO / "croupier" / "healthcheck.py").read_text()
 
 
 def test_dockerignore_keeps_the_build_context_small() -> None:

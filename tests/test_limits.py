@@ -216,11 +216,41 @@ def test_streams_over_each_limit_are_refused_naming_the_limit_and_flag(serve_inp
     details = {limit: text for _, limit, text in outcomes if limit}
     assert "max_streams_per_connection=3" in details["max_streams_per_connection"]
     assert "--max-streams-per-connection" in details["max_streams_per_connection"]
-    assert "client '127.0.0.1'" in details["max_streams_per_client"]
+    assert "client 'peer:127.0.0.1'" in details["max_streams_per_client"]
     assert "--max-streams-per-client" in details["max_streams_per_client"]
     assert "max_streams=6" in details["max_streams"] and "`croupier serve --max-streams`" in details["max_streams"]
     assert again is None
     wait_until(lambda: st.running.service.admission.total == 0, what="every stream released")
+
+
+def test_clients_with_tokens_are_counted_by_token_not_by_address(serve_inprocess, tmp_path) -> None:
+    import yaml
+
+    data = write_blobs(tmp_path / "blobs.arrow", 2000, 1024)
+    tokens = tmp_path / "tokens.yaml"
+    tokens.write_text(yaml.safe_dump({"tokens": [{"name": "team-a", "token": "a" * 32},
+                                                 {"name": "team-b", "token": "b" * 32}]}))
+    st = serve_inprocess(datasets=[f"blobs={data}"], tokens_file=str(tokens), max_streams_per_client=1)
+
+    async def scenario():
+        ch = channel(st.address, **{"grpc.http2.bdp_probe": 0})
+        stub = pb_grpc.CroupierStub(ch)
+        results = []
+        for secret in ("a" * 32, "b" * 32, "a" * 32):  # all three from 127.0.0.1
+            call = stub.StreamEpoch(request("blobs"), metadata=(("authorization", f"Bearer {secret}"),))
+            try:
+                results.append((call, (await call.read()).HasField("header")))
+            except grpc.aio.AioRpcError as exc:
+                results.append((call, exc))
+        for call, _ in results:
+            call.cancel()
+        await ch.close()
+        return [r for _, r in results]
+
+    a1, b1, a2 = asyncio.run(scenario())
+    assert a1 is True and b1 is True
+    assert isinstance(a2, grpc.aio.AioRpcError) and limit_name(a2) == "max_streams_per_client"
+    assert "client 'token:team-a'" in a2.details()
 
 
 def test_loader_retries_a_limit_refusal_with_backoff_and_reports_it(serve_inprocess, tmp_path) -> None:

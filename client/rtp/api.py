@@ -212,7 +212,7 @@ class RotatedTensorParallel(nn.Module):
             return torch.zeros((), device=device)
         if math.isinf(norm_type):
             local = torch.stack([g.abs().max() if g.numel() else g.new_zeros(()) for g in grads]).max().double()
-            torch.distributed.all_reduce(local, op=torch.distributed.ReduceOp.MAX, group=self._ring.group)
+            self._ring.all_reduce_max_(local)
             total = local
         else:
             # Shards partition a tensor, so their p-th powers add up; replicated grads are equal

@@ -41,15 +41,27 @@ class Ring:
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("RotatedTensorParallel needs torch.distributed initialised "
                                "(dist.init_process_group, or launch with torchrun)")
-        self.group: ProcessGroup = group if group is not None else dist.group.WORLD
-        self.rank = dist.get_rank(self.group)
+        # The default group is kept as None (torch.distributed's own spelling of it), never
+        # as an object: a model that held the world group would keep it alive past
+        # destroy_process_group, and gloo's worker threads would then be torn down during
+        # interpreter exit, which aborts the process ("terminate called without an active
+        # exception") when one is still releasing a tensor.
+        self._group: ProcessGroup | None = group
+        self.rank = dist.get_rank(group)
         if self.rank < 0:
             raise ValueError(f"global rank {dist.get_rank()} is not a member of the given process group")
-        self.size = dist.get_world_size(self.group)
-        self.backend = str(dist.get_backend(self.group))
-        self._next = dist.get_global_rank(self.group, (self.rank + 1) % self.size)
-        self._prev = dist.get_global_rank(self.group, (self.rank - 1) % self.size)
-        self._root = dist.get_global_rank(self.group, 0)
+        self.size = dist.get_world_size(group)
+        self.backend = str(dist.get_backend(group))
+        self._next = self._global_rank((self.rank + 1) % self.size)
+        self._prev = self._global_rank((self.rank - 1) % self.size)
+        self._root = self._global_rank(0)
+
+    @property
+    def group(self) -> ProcessGroup:
+        return self._group if self._group is not None else dist.group.WORLD
+
+    def _global_rank(self, group_rank: int) -> int:
+        return group_rank if self._group is None else dist.get_global_rank(self._group, group_rank)
 
     def shift(self, send: torch.Tensor | None, recv: torch.Tensor | None, direction: int,
               tag: int) -> Transfer:
@@ -66,9 +78,9 @@ class Ring:
         to, frm = (self._next, self._prev) if direction == FORWARD else (self._prev, self._next)
         ops = []
         if send is not None and send.numel() > 0:
-            ops.append(dist.P2POp(dist.isend, send, to, self.group, tag))
+            ops.append(dist.P2POp(dist.isend, send, to, self._group, tag))
         if recv is not None and recv.numel() > 0:
-            ops.append(dist.P2POp(dist.irecv, recv, frm, self.group, tag))
+            ops.append(dist.P2POp(dist.irecv, recv, frm, self._group, tag))
         return Transfer(dist.batch_isend_irecv(ops) if ops else [])
 
     def join(self, device: torch.device, layer_sizes: list[int]) -> None:
@@ -86,7 +98,7 @@ class Ring:
                             dtype=torch.int64, device=device)
         # One all-reduce finds both extremes: the max of each value and of its negation.
         both = torch.cat([mine, -mine])
-        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=self.group)
+        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=self._group)
         n = mine.numel()
         if not torch.equal(both[:n], -both[n:]):
             raise RuntimeError("RotatedTensorParallel: the ranks of the group planned different layers "
@@ -95,14 +107,17 @@ class Ring:
 
     def broadcast_(self, tensor: torch.Tensor) -> None:
         """Overwrite `tensor` with group rank 0's copy."""
-        dist.broadcast(tensor, src=self._root, group=self.group)
+        dist.broadcast(tensor, src=self._root, group=self._group)
 
     def all_reduce_mean_(self, tensor: torch.Tensor) -> None:
-        dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group)
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self._group)
         tensor.div_(self.size)
 
     def all_reduce_sum_(self, tensor: torch.Tensor) -> None:
-        dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group)
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self._group)
+
+    def all_reduce_max_(self, tensor: torch.Tensor) -> None:
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self._group)
 
     def all_gather_flat(self, local: torch.Tensor, numels: list[int]) -> list[torch.Tensor]:
         """Every rank's 1-D `local` (sizes `numels`, uneven allowed), in group-rank order."""
@@ -110,11 +125,11 @@ class Ring:
         padded = local.new_zeros(width)
         padded[: local.numel()].copy_(local)
         out = [local.new_empty(width) for _ in range(self.size)]
-        dist.all_gather(out, padded, group=self.group)
+        dist.all_gather(out, padded, group=self._group)
         return [o[:n] for o, n in zip(out, numels)]
 
     def barrier(self) -> None:
-        dist.barrier(group=self.group)
+        dist.barrier(group=self._group)
 
 
 class RingBuffers:

@@ -23,7 +23,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
     p = sub.add_parser("bench", help="benchmark croupier against DataLoader, HF datasets, WebDataset",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--suite", choices=sorted(SUITES), default="full", help="what to run (default full)")
+    p.add_argument("--suite", choices=sorted([*SUITES, "reliability"]), default="full",
+                   help="what to run (default full; reliability: the fuzz and fault report, ~5 min)")
     p.add_argument("--quick", action="store_true",
                    help="same as --suite quick; with --suite real, its smoke run (--suite real-quick)")
     p.add_argument("--out", default="benchmarks/results", help="folder for the JSON, Markdown and PNGs")
@@ -45,11 +46,17 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from .suites import SUITES
 
     name = args.suite
+    command = " ".join(["croupier bench", *map(shlex.quote, sys.argv[2:])]) if sys.argv[1:2] == ["bench"] else ""
+    if name == "reliability":
+        from .reliability import run_reliability
+
+        run_reliability(Path(args.out), command or "croupier bench --suite reliability",
+                        say=lambda s: print(s, flush=True))
+        return 0
     if args.quick:
         name = "real-quick" if args.suite.startswith("real") else "quick"
     suite = SUITES[name]()
     data_dir = Path(args.data_dir) if args.data_dir else default_data_dir(name)
-    command = " ".join(["croupier bench", *map(shlex.quote, sys.argv[2:])]) if sys.argv[1:2] == ["bench"] else ""
     from .real import RealSuite, run_real
 
     if isinstance(suite, RealSuite):

@@ -47,6 +47,12 @@ class OutsideRootsError(DatasetError, PermissionError):
     """A dataset path resolves outside every configured data root (a PermissionError too)."""
 
 
+class MemberOutsideRootsError(DatasetError):
+    """A file a dataset touches (a member, a link, a listed data file) resolves outside
+    the dataset's roots. Not an OSError, so that no reader takes it for a corrupt file;
+    the message names the member, never where it points."""
+
+
 class UnknownColumnError(DatasetError):
     """A requested column is not in the dataset; the message lists the columns it has."""
 

@@ -26,6 +26,8 @@ def looks_like_imagefolder(store: Store, path: str) -> bool:
 
 class ImageFolderReader(Reader):
     format = "imagefolder"
+    #: Decode every image in `encode` before sending it (--verify-images).
+    verify_images = False
 
     def __init__(self, name: str, path: str, store: Store | None = None):
         super().__init__(name, path, store=store if store is not None else default_local_store())
@@ -75,4 +77,4 @@ class ImageFolderReader(Reader):
         return ImageItem(index, data, self.labels[index], checked_format(data, index, where), key, where)
 
     def encode(self, items: Sequence[ImageItem], columns: Sequence[str] = (), decode_images: bool = False) -> ImagePayload:
-        return image_payload(items, decode_images)
+        return image_payload(items, decode_images, self.verify_images)

@@ -4,6 +4,7 @@ building records, and decoding on the server when a client asks for it."""
 from __future__ import annotations
 
 import io
+import struct
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -61,8 +62,84 @@ def sniff_format(data: bytes) -> str | None:
     return None
 
 
+#: JPEG markers of a frame header (SOF0..SOF15 but DHT, JPG and DAC), which give the size.
+_JPEG_SOF = frozenset(range(0xC0, 0xD0)) - {0xC4, 0xC8, 0xCC}
+#: Markers that stand alone, without a length (TEM, RST0..7, SOI).
+_JPEG_STANDALONE = frozenset((0x01, *range(0xD0, 0xD8), 0xD8))
+_MARKER = struct.Struct(">BBH")  # 0xFF, marker, segment length
+_U16 = struct.Struct(">H")
+
+
+def _jpeg_problem(data: bytes) -> str | None:
+    """Walk the header segments to the start of scan: each has a length that fits, a
+    frame header (SOF) gives a non-zero size, and an end-of-image marker follows the
+    scan (about ten segments: a few microseconds, whatever the image's size)."""
+    n, i, sized = len(data), 2, False
+    unpack = _U16.unpack_from
+    for _ in range(4096):  # bounded: real headers have tens of segments
+        if i + 4 > n:
+            return "the file ends inside its header (truncated?)"
+        ff, marker, length = _MARKER.unpack_from(data, i)
+        if ff != 0xFF:
+            return f"no segment marker at byte {i} of its header (corrupt)"
+        if marker == 0xFF:  # fill byte before a marker
+            i += 1
+            continue
+        if marker in _JPEG_STANDALONE:
+            i += 2
+            continue
+        if marker == 0xD9:
+            return "it ends (end-of-image marker) before any image data"
+        if length < 2 or i + 2 + length > n:
+            return f"the header segment at byte {i} runs past the end of the file (truncated?)"
+        if marker == 0xDA:  # start of scan: entropy-coded data, then EOI
+            if not sized:
+                return "image data starts before any frame header (SOF)"
+            if data.rfind(b"\xff\xd9", i + 2 + length) < 0:
+                return "no end-of-image marker after its image data (truncated or overwritten?)"
+            return None
+        if marker in _JPEG_SOF:
+            if length < 8 or not unpack(data, i + 5)[0] or not unpack(data, i + 7)[0]:
+                return "its frame header declares a zero width or height"
+            sized = True
+        i += 2 + length
+    return "its header has too many segments (corrupt)"
+
+
+def image_problem(data: bytes, fmt: str) -> str | None:
+    """What is structurally wrong with an image of format `fmt` (None: nothing seen):
+    header fields, declared sizes against the bytes present, end markers. A cheap check
+    (no decode); it catches truncated files and headers followed by garbage, not every
+    corruption of the compressed data (--verify-images decodes for that)."""
+    n = len(data)
+    if fmt == "jpeg":
+        return _jpeg_problem(data)
+    if fmt == "png":
+        if n < 33:
+            return "the file ends inside its header (truncated?)"
+        if data[12:16] != b"IHDR":
+            return "no IHDR header chunk (corrupt)"
+        if not int.from_bytes(data[16:20], "big") or not int.from_bytes(data[20:24], "big"):
+            return "its header declares a zero width or height"
+        if data.rfind(b"IEND", 33) < 0:
+            return "no IEND chunk at its end (truncated?)"
+    elif fmt == "gif":
+        if n < 14 or not data.rstrip(b"\0").endswith(b";"):
+            return "no trailer byte at its end (truncated?)"
+    elif fmt == "bmp":
+        declared = int.from_bytes(data[2:6], "little")
+        if n < 26 or declared > n or int.from_bytes(data[10:14], "little") >= n:
+            return f"its header declares {declared} bytes and pixel data at byte {int.from_bytes(data[10:14], 'little')}, the file has {n} (truncated?)"
+    elif fmt == "webp":
+        declared = int.from_bytes(data[4:8], "little") + 8
+        if declared > n:
+            return f"its RIFF header declares {declared} bytes, the file has {n} (truncated?)"
+    return None
+
+
 def checked_format(data: bytes, index: int, where: str, path: str | None = None) -> str:
-    """The image format of `data` from its magic bytes, or a SampleError naming file and index."""
+    """The image format of `data` from its magic bytes, its structure checked
+    (`image_problem`); else a SampleError naming file and index."""
     fmt = sniff_format(data)
     if fmt is None:
         raise SampleError(
@@ -71,6 +148,9 @@ def checked_format(data: bytes, index: int, where: str, path: str | None = None)
             index=index,
             path=path or where,
         )
+    problem = image_problem(data, fmt)
+    if problem is not None:
+        raise SampleError(f"sample {index} ({where}): corrupt {fmt.upper()} image: {problem}", index=index, path=path or where)
     return fmt
 
 
@@ -89,8 +169,26 @@ def decode_rgb(item: ImageItem) -> ImageRecord:
     return ImageRecord(data=arr.tobytes(), label=item.label, format="raw", key=item.key, height=h, width=w, channels=c)
 
 
-def image_payload(items: Sequence[ImageItem], decode_images: bool) -> ImagePayload:
-    """One record per item, in chunk order: encoded bytes as read, or decoded RGB."""
+def verify_decodes(item: ImageItem) -> None:
+    """Decode the item's image fully (and drop the pixels); SampleError naming the file
+    and index when it does not decode (--verify-images)."""
+    from PIL import Image
+
+    try:
+        with Image.open(io.BytesIO(item.data)) as img:
+            img.load()
+    except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as exc:
+        raise SampleError(
+            f"sample {item.index} ({item.where}): corrupt image, it does not decode: {exc}", index=item.index, path=item.where
+        ) from exc
+
+
+def image_payload(items: Sequence[ImageItem], decode_images: bool, verify: bool = False) -> ImagePayload:
+    """One record per item, in chunk order: encoded bytes as read, or decoded RGB;
+    `verify` decodes each image first, sent as read (runs in the CPU pool, in encode)."""
     if decode_images:
         return ImagePayload([decode_rgb(it) for it in items])
+    if verify:
+        for it in items:
+            verify_decodes(it)
     return ImagePayload([ImageRecord(data=it.data, label=it.label, format=it.format, key=it.key) for it in items])

@@ -174,7 +174,7 @@ def _read_message(store: Store, path: str, size: int, where: int) -> tuple[int, 
     if meta_len == 0:
         return 0, b"", start
     if meta_len < 0 or where + start + meta_len > size:
-        raise DatasetError(f"{path}: Arrow IPC message at byte {where} claims {meta_len} bytes of metadata (corrupt or truncated)")
+        raise DatasetError(f"{path}: Arrow IPC message at byte {where} has an impossible metadata length (corrupt or truncated)")
     meta = head[start : start + meta_len]
     if len(meta) < meta_len:
         meta = store.read_range(path, where + start, meta_len)

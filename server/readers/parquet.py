@@ -217,8 +217,8 @@ class ParquetReader(Reader):
                 raise DatasetError(f"{url} is a Parquet file with an encrypted footer, which croupier cannot read")
             if magic != _MAGIC:
                 raise DatasetError(
-                    f"{url} is not a readable Parquet file (corrupt or truncated?): it ends with {bytes(magic)!r}, "
-                    f"not the magic {_MAGIC!r}"
+                    # The bytes it ends with are not echoed: a message may reach a client.
+                    f"{url} is not a readable Parquet file (corrupt or truncated?): its last 4 bytes are not the magic {_MAGIC!r}"
                 )
             footer_len = int.from_bytes(tail[-8:-4], "little")
             if footer_len + _MIN_FILE_BYTES > size:
@@ -301,15 +301,29 @@ class ParquetReader(Reader):
         source = _SparseFile(url, self.sizes[fno], spans)
         try:
             # pre_buffer=False: one read per column chunk, exactly its range (pre-buffering
-            # would coalesce ranges across gaps that were never fetched).
-            with pq.ParquetFile(source, metadata=self.metadata[fno], pre_buffer=False) as pf:
+            # would coalesce ranges across gaps that were never fetched). Page CRCs are
+            # verified where the writer stored them (write_page_checksum=True).
+            with pq.ParquetFile(source, metadata=self.metadata[fno], pre_buffer=False, page_checksum_verification=True) as pf:
                 table = pf.read_row_group(g)
         except (pa.ArrowException, OSError, ValueError) as exc:
-            raise SampleError(f"{url}: row group {g} is unreadable: {exc}", path=url) from exc
+            raise SampleError(f"{url}: row group {g}{self._bad_column(source, fno, g)} is corrupt or unreadable: {exc}", path=url) from exc
         # One batch with the dataset's schema (files may differ in metadata only), so
         # that encode joins a chunk's rows with one concat_batches.
         batches = table.replace_schema_metadata(self.schema.metadata).combine_chunks().to_batches()
         return batches[0] if batches else pa.RecordBatch.from_pylist([], schema=self.schema)
+
+    def _bad_column(self, source: "_SparseFile", fno: int, g: int) -> str:
+        """', column NAME' of the first column of row group `g` that does not decode (or
+        fails its page checksums), for the message; the error path only."""
+        with pq.ParquetFile(source, metadata=self.metadata[fno], pre_buffer=False, page_checksum_verification=True) as pf:
+            for name in pf.schema_arrow.names:
+                try:
+                    pf.read_row_group(g, columns=[name])
+                except (pa.ArrowException, OSError, ValueError):
+                    return f", column {name!r}"
+                except ReadOutsideRangesError:
+                    return ""
+        return ""
 
     def _decode(self, group: int) -> pa.RecordBatch:
         """Fetch (blocking range reads through the store) and decode row group `group`,

@@ -12,6 +12,7 @@ from ..storage import Store, default_local_store
 from .base import DatasetError, OutsideRootsError, Reader
 from .hf_disk import HFDiskReader, is_hf_folder
 from .imagefolder import ImageFolderReader, looks_like_imagefolder
+from .images import is_image_name
 from .parquet import ParquetReader
 from .webdataset import WebDatasetReader
 
@@ -49,17 +50,40 @@ def detect_format(path: str | os.PathLike, store: Store | None = None) -> str:
     elif store.is_dir(path):
         if is_hf_folder(store, path):
             return "hf"
-        suffixes = {os.path.splitext(f.path)[1].lower() for f in store.list_dir(path)[1]}
-        for sfx, fmt in SUFFIX_FORMATS.items():
-            if sfx in suffixes:
-                return fmt
-        if looks_like_imagefolder(store, path):
-            return "imagefolder"
+        found = folder_formats(store, path)
+        if len(found) > 1:
+            kinds = "; ".join(f"{fmt}: {', '.join(names[:3])}{', ...' if len(names) > 3 else ''}" for fmt, names in found.items())
+            raise DatasetError(
+                f"dataset folder {store.url(path)} mixes formats ({kinds}); a dataset folder holds one format, "
+                "served as a whole: move the others out, or serve each file or folder as its own dataset"
+            )
+        if found:
+            return next(iter(found))
     else:
         raise DatasetError(f"dataset {store.url(path)} does not exist")
     raise DatasetError(
         f"cannot tell the format of {store.url(path)}; expected one of: {_LAYOUTS}; formats: {', '.join(FORMATS)}"
     )
+
+
+def folder_formats(store: Store, path: str) -> dict[str, list[str]]:
+    """The formats whose data folder `path` holds -> the names showing each (sorted):
+    its files by suffix, loose images, and class folders of images (imagefolder)."""
+    found: dict[str, list[str]] = {}
+    dirs, files = store.list_dir(path)
+    for f in files:
+        name = f.path.rsplit("/", 1)[-1]
+        suffix = os.path.splitext(name)[1].lower()
+        fmt = SUFFIX_FORMATS.get(suffix) or ("images" if is_image_name(name) else None)
+        if fmt is not None:
+            found.setdefault(fmt, []).append(name)
+    if looks_like_imagefolder(store, path):
+        found.setdefault("imagefolder", []).extend(
+            f"{d}/" for d in dirs if any(is_image_name(f.path) for f in store.list_dir(store.join(path, d))[1])
+        )
+    if set(found) == {"images"}:
+        return {}  # loose images with no class folders: not a dataset (the caller says which layouts are)
+    return found
 
 
 def default_name(path: str | os.PathLike) -> str:

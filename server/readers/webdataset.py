@@ -150,12 +150,19 @@ def _read_index(path: Path, stamp: dict[str, int]) -> ShardIndex | None:
 
 def _write_index(path: Path, stamp: dict[str, int], samples: ShardIndex) -> None:
     tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    created = False
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp.write_text(json.dumps({"stamp": stamp, "samples": samples}))
-        tmp.replace(path)
+        # A new file, never an existing name: a link planted under the temporary name (the
+        # data folder may be writable by others) must not redirect the server's write.
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+        created = True
+        with os.fdopen(fd, "w") as f:
+            f.write(json.dumps({"stamp": stamp, "samples": samples}))
+        os.replace(tmp, path)  # replaces a link named like the index, never writes through it
     except OSError:
-        tmp.unlink(missing_ok=True)  # an unwritable cache only costs a rescan next time
+        if created:
+            tmp.unlink(missing_ok=True)  # an unwritable cache only costs a rescan next time
 
 
 def load_index(shard: str | Path, cache_dir: str | os.PathLike | None = None, store: Store | None = None) -> ShardIndex:
@@ -186,6 +193,8 @@ def load_index(shard: str | Path, cache_dir: str | os.PathLike | None = None, st
 
 class WebDatasetReader(Reader):
     format = "webdataset"
+    #: Decode every image in `encode` before sending it (--verify-images).
+    verify_images = False
 
     def __init__(self, name: str, path: str, cache_dir: str | os.PathLike | None = None, store: Store | None = None):
         super().__init__(name, path, store=store)
@@ -226,7 +235,7 @@ class WebDatasetReader(Reader):
         return ImageItem(index, data, label, checked_format(data, index, where, url), member, where)
 
     def encode(self, items: Sequence[ImageItem], columns: Sequence[str] = (), decode_images: bool = False) -> ImagePayload:
-        return image_payload(items, decode_images)
+        return image_payload(items, decode_images, self.verify_images)
 
     def close(self) -> None:
         for f in self.shards:

@@ -9,7 +9,10 @@
  *
  * Pool(max_threads) -> pool
  *   pool.submit(token, fd, offset, size)        pread on an open fd
- *   pool.submit_path(token, path, offset, size) open + pread + close (size -1: whole file)
+ *   pool.submit_path(token, path, offset, size[, roots])
+ *                                               open + pread + close (size -1: whole file);
+ *                                               with roots, -EXDEV if the file opened lies
+ *                                               outside them
  *   pool.fileno() -> eventfd, readable when completions wait
  *   pool.drain() -> [(token, bytes | -errno), ...]
  *   pool.close()
@@ -19,8 +22,10 @@
 #include <Python.h>
 #include <errno.h>
 #include <fcntl.h>
+#include <limits.h>
 #include <pthread.h>
 #include <stdint.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/eventfd.h>
@@ -37,6 +42,8 @@ typedef struct job {
     char *buf;
     long long got;
     int err;          /* errno, 0 when fine */
+    char *roots;      /* path jobs: NUL-separated folders the opened file must lie in, or NULL */
+    size_t roots_len;
 } job;
 
 typedef struct {
@@ -50,12 +57,32 @@ typedef struct {
     long long pending; /* submitted and not drained (loop thread only) */
 } Pool;
 
+/* The kernel's name for the open file `fd` lies in one of `roots` (NUL-separated, each a
+ * resolved folder): checked on the file opened, so a link swapped after any earlier
+ * check cannot send the read elsewhere. */
+static int opened_under_roots(int fd, const char *roots, size_t roots_len) {
+    char proc[64], real[PATH_MAX + 1];
+    snprintf(proc, sizeof proc, "/proc/self/fd/%d", fd);
+    ssize_t n = readlink(proc, real, PATH_MAX);
+    if (n <= 0) return 0;
+    real[n] = 0;
+    for (const char *r = roots; r < roots + roots_len; r += strlen(r) + 1) {
+        size_t rl = strlen(r);
+        if (rl == 0) continue;
+        if ((size_t)n == rl && memcmp(real, r, rl) == 0) return 1;
+        if ((size_t)n > rl && memcmp(real, r, rl) == 0 && (real[rl] == '/' || r[rl - 1] == '/')) return 1;
+    }
+    return 0;
+}
+
 static void run_job(job *j) {
     int fd = j->fd, own = 0;
     if (fd < 0) {
-        fd = open(j->path, O_RDONLY | O_CLOEXEC);
+        /* O_NONBLOCK: a FIFO named like a data file must not block this thread in open(). */
+        fd = open(j->path, O_RDONLY | O_CLOEXEC | O_NONBLOCK | O_NOCTTY);
         if (fd < 0) { j->err = errno; return; }
         own = 1;
+        if (j->roots && !opened_under_roots(fd, j->roots, j->roots_len)) { j->err = EXDEV; close(fd); return; }
         struct stat st;
         if (fstat(fd, &st) != 0) { j->err = errno; close(fd); return; }
         if (!S_ISREG(st.st_mode)) { j->err = EISDIR; close(fd); return; }
@@ -151,19 +178,30 @@ static PyObject *Pool_submit(Pool *p, PyObject *args) {
 static PyObject *Pool_submit_path(Pool *p, PyObject *args) {
     long long token, offset, size;
     PyObject *path_obj;
-    if (!PyArg_ParseTuple(args, "LO&LL", &token, PyUnicode_FSConverter, &path_obj, &offset, &size)) return NULL;
+    const char *roots = NULL;
+    Py_ssize_t roots_len = 0;
+    if (!PyArg_ParseTuple(args, "LO&LL|y#", &token, PyUnicode_FSConverter, &path_obj, &offset, &size, &roots,
+                          &roots_len)) return NULL;
     if (offset < 0) { Py_DECREF(path_obj); PyErr_SetString(PyExc_ValueError, "offset must not be negative"); return NULL; }
     job *j = calloc(1, sizeof *j);
     if (!j) { Py_DECREF(path_obj); return PyErr_NoMemory(); }
     j->path = strdup(PyBytes_AS_STRING(path_obj));
     Py_DECREF(path_obj);
     if (!j->path) { free(j); return PyErr_NoMemory(); }
+    if (roots) {
+        j->roots = malloc((size_t)roots_len + 1);
+        if (!j->roots) { free(j->path); free(j); return PyErr_NoMemory(); }
+        memcpy(j->roots, roots, (size_t)roots_len);
+        j->roots[roots_len] = 0;
+        j->roots_len = (size_t)roots_len;
+    }
     j->token = token; j->fd = -1; j->offset = offset; j->size = size;
-    if (enqueue(p, j) != 0) { free(j->path); free(j); PyErr_SetString(PyExc_RuntimeError, "the read pool is closed"); return NULL; }
+    if (enqueue(p, j) != 0) { free(j->roots); free(j->path); free(j); PyErr_SetString(PyExc_RuntimeError, "the read pool is closed"); return NULL; }
     Py_RETURN_NONE;
 }
 
 static void free_job(job *j) {
+    free(j->roots);
     free(j->buf);
     free(j->path);
     free(j);
@@ -244,7 +282,7 @@ static void Pool_dealloc(Pool *p) {
 
 static PyMethodDef Pool_methods[] = {
     {"submit", (PyCFunction)Pool_submit, METH_VARARGS, "submit(token, fd, offset, size): pread on a thread"},
-    {"submit_path", (PyCFunction)Pool_submit_path, METH_VARARGS, "submit_path(token, path, offset, size): open, pread, close"},
+    {"submit_path", (PyCFunction)Pool_submit_path, METH_VARARGS, "submit_path(token, path, offset, size[, roots]): open, check, pread, close"},
     {"drain", (PyCFunction)Pool_drain, METH_NOARGS, "drain() -> [(token, bytes or -errno)]"},
     {"fileno", (PyCFunction)Pool_fileno, METH_NOARGS, "the eventfd that is readable when completions wait"},
     {"close", (PyCFunction)Pool_close, METH_NOARGS, "let the threads exit once the queued jobs are done"},

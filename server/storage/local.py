@@ -156,6 +156,10 @@ class LocalStore(Store):
             self._pinned[path] = fd
             self._pins[path] = 1
 
+    def pinned_fd(self, path: str) -> int | None:
+        """The descriptor `pin` keeps open for `path` (None: not pinned)."""
+        return self._pinned.get(path)
+
     def unpin(self, path: str) -> None:
         """The dataset that pinned `path` is closed (its reads are over)."""
         with self._pin_lock:

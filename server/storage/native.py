@@ -19,6 +19,11 @@ except ImportError:  # built without a compiler: the Python pool serves instead
     _NativePool = None
 
 
+def roots_blob(roots: Sequence[str]) -> bytes:
+    """`roots` as `pread_path` takes them."""
+    return b"\0".join(os.fsencode(r) for r in roots)
+
+
 def available() -> bool:
     """The native pool is built, and not turned off by CROUPIER_READ_POOL=python."""
     return _NativePool is not None and os.environ.get("CROUPIER_READ_POOL", "native") != "python"
@@ -63,10 +68,15 @@ class NativeReadPool:
         self._pool.submit(token, fd, offset, size)
         return fut
 
-    def pread_path(self, path: str, offset: int, size: int) -> asyncio.Future[bytes]:
-        """The same on `path`, opened and closed by the native thread (no fd kept)."""
+    def pread_path(self, path: str, offset: int, size: int, roots: bytes | None = None) -> asyncio.Future[bytes]:
+        """The same on `path`, opened and closed by the native thread (no fd kept). With
+        `roots` (NUL-separated resolved folders), the file opened must lie in one of them,
+        else the read fails with EXDEV (see `roots_blob`)."""
         token, fut = self._future()
-        self._pool.submit_path(token, path, offset, size)
+        if roots is None:
+            self._pool.submit_path(token, path, offset, size)
+        else:
+            self._pool.submit_path(token, path, offset, size, roots)
         return fut
 
     def pread_ranges(

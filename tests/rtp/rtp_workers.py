@@ -466,7 +466,30 @@ def grad_errors_or_none(rtp: RotatedTensorParallel, ref: nn.Module) -> dict[str,
     return errs
 
 
-SCENARIOS = {"equivalence": equivalence, "two_groups": two_groups, "edge_cases": edge_cases}
+def gloo_threads() -> list[str]:
+    """Names of this process's gloo threads (the process group's workers and its TCP loop)."""
+    names = []
+    for task in Path("/proc/self/task").iterdir():
+        try:
+            names.append((task / "comm").read_text().strip())
+        except OSError:  # the thread ended while listed
+            pass
+    return sorted(n for n in names if "gloo" in n)
+
+
+def teardown(out: Path) -> dict[str, Any]:
+    """destroy_process_group while a trained RTP model is still referenced: the group must
+    really go (its threads joined) then, not at interpreter exit, where a gloo worker still
+    releasing a tensor aborts the process."""
+    rtp = RotatedTensorParallel(nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4)))
+    rtp(torch.randn(4, 8)).sum().backward()
+    rtp.clip_grad_norm_(1.0, norm_type=float("inf"))
+    before = gloo_threads()
+    dist.destroy_process_group()
+    return {"before": before, "after": gloo_threads(), "model": rtp}
+
+
+SCENARIOS = {"equivalence": equivalence, "two_groups": two_groups, "edge_cases": edge_cases, "teardown": teardown}
 
 
 def main() -> None:
@@ -474,11 +497,15 @@ def main() -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=timedelta(seconds=120))
     try:
+        rank = dist.get_rank()
         result = SCENARIOS[scenario](out)
-        torch.save(result, out / f"rank{dist.get_rank()}.pt")
-        dist.barrier()
+        result.pop("model", None)
+        torch.save(result, out / f"rank{rank}.pt")
+        if dist.is_initialized():
+            dist.barrier()
     finally:
-        dist.destroy_process_group()
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -104,3 +104,11 @@ def test_empty_shards_reuse_frozen_weight_and_accumulation_match_one_process_in_
         assert all(res["frozen_grad_is_none"]) and res["frozen_unchanged"], rank
         name, err = res["param_err_after_adam"]
         assert err < 1e-7, f"rank {rank}: {name} off by {err:.2e} after 2 Adam steps"
+
+
+def test_destroy_process_group_joins_gloo_threads_while_the_model_lives(tmp_path):
+    # A model holding the world group kept it alive past destroy_process_group; its threads
+    # then died inside interpreter exit and the rank aborted now and then (exit -6).
+    for res in launch("teardown", 2, tmp_path):
+        assert "pt_gloo_runloop" in res["before"]
+        assert res["after"] == []
