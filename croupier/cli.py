@@ -125,7 +125,7 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
 _LIMIT_FLAGS = (
     ("--max-streams", "max_streams", 1, "streams open at once on the whole server"),
     ("--max-streams-per-client", "max_streams_per_client", 1,
-     "streams one client (its IP address, or its token once authenticated) may hold open"),
+     "streams one client (its token name, else its client certificate's CN, else its IP address) may hold open"),
     ("--max-streams-per-connection", "max_streams_per_connection", 1, "streams one connection may hold open"),
     ("--stream-idle-timeout", "stream_idle_timeout_s", 1,
      "seconds a stream may wait on a client that reads nothing before it is ended (RESOURCE_EXHAUSTED)"),
