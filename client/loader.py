@@ -10,6 +10,7 @@ batch it has not yet handed out, so no sample is lost or repeated.
 from __future__ import annotations
 
 import asyncio
+import atexit
 import concurrent.futures
 import logging
 import os
@@ -17,6 +18,7 @@ import queue
 import random
 import threading
 import time
+import weakref
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -70,6 +72,24 @@ class LoaderStats:
 
 async def _make_semaphore(value: int) -> asyncio.Semaphore:
     return asyncio.Semaphore(value)  # created on the loop that will use it
+
+
+async def _cancel_all() -> None:
+    """Cancel every task of the running loop but this one, and wait for them to finish."""
+    tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+    for t in tasks:
+        t.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+
+
+#: Loaders with a network thread, closed at interpreter exit (before daemon threads die).
+_LIVE: "weakref.WeakSet[Loader]" = weakref.WeakSet()
+
+
+@atexit.register
+def _close_live_loaders() -> None:
+    for loader in list(_LIVE):
+        loader.close()
 
 
 def _distributed_default() -> tuple[int, int]:
@@ -205,6 +225,7 @@ class Loader:
         # This Loader handed out the epoch's last batch: the next pass starts over.
         self._epoch_done = False
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
         self.decode_workers = min(4, os.cpu_count() or 1) if decode_workers is None else decode_workers
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
 
@@ -498,15 +519,33 @@ class Loader:
             import uvloop
 
             loop = uvloop.new_event_loop()
-            threading.Thread(target=loop.run_forever, name="croupier-loader", daemon=True).start()
+            self._thread = threading.Thread(target=loop.run_forever, name="croupier-loader", daemon=True)
+            self._thread.start()
             self._loop = loop
+            _LIVE.add(self)
         return self._loop
 
     def close(self) -> None:
-        """Stop the network thread (also done when the Loader is garbage-collected)."""
+        """Stop the network thread: its streams cancelled, channels closed, thread joined.
+
+        Also done when the Loader is garbage-collected, and for every Loader still open
+        when the interpreter exits: a network thread left running into interpreter exit
+        dies wherever it stands, and inside native code that aborts the process
+        ("terminate called without an active exception", exit -6)."""
         loop, self._loop = self._loop, None
+        thread, self._thread = self._thread, None
         if loop is not None and not loop.is_closed():
-            loop.call_soon_threadsafe(loop.stop)
+            if thread is not None and thread.is_alive() and thread is not threading.current_thread():
+                try:
+                    asyncio.run_coroutine_threadsafe(_cancel_all(), loop).result(timeout=10)
+                except Exception:  # a stuck stream: the thread is still stopped below
+                    pass
+                loop.call_soon_threadsafe(loop.stop)
+                thread.join(timeout=10)
+                if not thread.is_alive():
+                    loop.close()
+            else:
+                loop.call_soon_threadsafe(loop.stop)
         pool, self._pool = self._pool, None
         if pool is not None:
             pool.shutdown(wait=False)

@@ -154,12 +154,20 @@ def training_columns(info, label_column: str, features: Sequence[str]) -> tuple[
         if missing:
             raise SystemExit(f"croupier demo: dataset {info.name!r} has no column {missing[0]!r}; columns: {schema.names}")
         return (label_column, *features)
-    numeric = [f.name for f in schema if f.name != label_column
-               and (pa.types.is_integer(f.type) or pa.types.is_floating(f.type) or pa.types.is_boolean(f.type))]
-    if not numeric:
+    def numeric(t) -> bool:
+        return pa.types.is_integer(t) or pa.types.is_floating(t) or pa.types.is_boolean(t)
+
+    # Scalar numeric columns; a table with none (the demo's own: `pixels` is a list of 64
+    # uint8) trains on its numeric list columns, which must then be of one length.
+    features = [f.name for f in schema if f.name != label_column and numeric(f.type)]
+    if not features:
+        features = [f.name for f in schema if f.name != label_column and (
+            pa.types.is_list(f.type) or pa.types.is_large_list(f.type) or pa.types.is_fixed_size_list(f.type))
+            and numeric(f.type.value_type)]
+    if not features:
         raise SystemExit(f"croupier demo: dataset {info.name!r} has no numeric feature column besides "
                          f"{label_column!r}; columns: {schema.names} (name them with --features)")
-    return (label_column, *numeric)
+    return (label_column, *features)
 
 
 def _loader(opts: TrainOptions, dataset: str, rank: int, world: int, device: torch.device,

@@ -258,3 +258,29 @@ def test_len_during_iteration_and_an_early_break_do_not_block(serve_inprocess) -
     state = loader.state_dict()
     assert state["next_batch"] == 4
     assert [b.batch for b in loader.batches()][:1] == [4]
+
+
+def _network_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == "croupier-loader" and t.is_alive()]
+
+
+def test_close_and_interpreter_exit_stop_the_network_thread(serve_inprocess) -> None:
+    # A network thread still streaming when the interpreter exits dies inside native code
+    # (a pyarrow reader's dealloc, say) and aborts the process (exit -6): every Loader
+    # still open is closed at exit, its streams cancelled and its thread joined.
+    from croupier.client import loader as loader_module
+
+    srv = serve_inprocess(datasets=["rows=synthetic:20000:256"])
+    before = set(_network_threads())
+    loaders = [Loader("rows", servers=srv.address, batch_size=64, seed=s) for s in range(2)]
+    for ld in loaders:
+        for i, _ in enumerate(ld.batches()):
+            if i == 3:
+                break  # mid-epoch, as a trainer that stops early
+    assert len(set(_network_threads()) - before) == 2
+    loaders[0].close()
+    assert len(set(_network_threads()) - before) == 1
+    loader_module._close_live_loaders()  # what atexit runs
+    assert set(_network_threads()) - before == set()
+    # A closed Loader starts a new thread when used again, and goes on where it stopped.
+    assert len(list(loaders[1].batches())) == len(loaders[1]) - 4

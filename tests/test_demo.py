@@ -91,7 +91,7 @@ def test_demo_announces_the_backend_its_ranks_pick(monkeypatch, capsys, gpus: in
     monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
     monkeypatch.setattr(croupier.demo_procs, "RankGroup", Ranks)
     monkeypatch.setattr(signal, "signal", lambda *a: None)
-    monkeypatch.setattr(croupier.demo, "_check_reachable", lambda addresses: None)  # no server either
+    monkeypatch.setattr(croupier.demo, "_check_reachable", lambda addresses, **kw: None)  # no server either
     assert pick_backend(2) == backend
     assert main(["demo", "--server", "127.0.0.1:1", "--world-size", "2"]) == 0
     assert launched == [2]
