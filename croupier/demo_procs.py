@@ -47,11 +47,11 @@ class ServerProcess:
     """`croupier serve` on a free loopback port, ready once it has written its ready file."""
 
     def __init__(self, datasets: Sequence[str], workdir: Path, extra_args: Sequence[str] = (), port: int = 0,
-                 name: str = "server"):
+                 name: str = "server", host: str = "127.0.0.1"):
         self.workdir = workdir
         self.ready_file = workdir / f"{name}-ready.json"
         self.log = workdir / f"{name}.log"
-        self.cmd = [sys.executable, "-m", "croupier.cli", "serve", *datasets, "--host", "127.0.0.1", "--port", str(port),
+        self.cmd = [sys.executable, "-m", "croupier.cli", "serve", *datasets, "--host", host, "--port", str(port),
                     "--ready-file", str(self.ready_file), "--grace", "5", *extra_args]
         self.proc: subprocess.Popen | None = None
         self.port = port

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from . import faults
+from . import abuse, faults
 from .fuzz import fuzz
 from .run import code_state, machine
 
@@ -53,7 +53,8 @@ def _fuzz_section(workdir: Path, count: int, say: Callable[[str], None]) -> dict
 
 
 def run_reliability(out: Path, command: str, say: Callable[[str], None] = print, *, fuzz_requests: int = 10_000,
-                    replica_kills: int = 20, cuts: int = 20, trainer_kills: int = 10) -> dict[str, Any]:
+                    replica_kills: int = 20, cuts: int = 20, trainer_kills: int = 10,
+                    abuse_streams: int = 2000) -> dict[str, Any]:
     rep: dict[str, Any] = {"suite": "reliability", "command": command, "machine": machine(), "code": code_state(),
                            "load": {"start": list(os.getloadavg())}, "started": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
     with tempfile.TemporaryDirectory(prefix="croupier-reliability-") as tmp:
@@ -74,6 +75,14 @@ def run_reliability(out: Path, command: str, say: Callable[[str], None] = print,
             say("  " + result.summary())
             rep["faults"].append({"name": name, **{k: getattr(result, k) for k in (
                 "what", "faults", "expected", "delivered", "lost", "duplicated", "reconnects", "seconds")}})
+        rep["abuse"] = []
+        for label, flags in (("default limits", ()),
+                             ("limits raised to admit them all", ("--max-streams-per-client", "5000",
+                                                                  "--max-streams-per-connection", "5000",
+                                                                  "--max-streams", "5000"))):
+            say(f"abuse: {abuse_streams:,} stalled streams, {label}")
+            rep["abuse"].append({"label": label, **abuse.stalled_streams(
+                work / "abuse", attempts=abuse_streams, log=say, extra_args=flags)})
     rep["load"]["end"] = list(os.getloadavg())
     out.mkdir(parents=True, exist_ok=True)
     (out / "reliability.json").write_text(json.dumps(rep, indent=1, default=str))
@@ -107,6 +116,15 @@ def markdown(rep: dict[str, Any]) -> str:
         lines.append(f"- **{r['what'][0].upper() + r['what'][1:]}:** {r['faults']} faults over an epoch of "
                      f"{r['expected']:,} samples: {r['lost']} lost, {r['duplicated']} duplicated "
                      f"({r['reconnects']} reconnects; {r['seconds']:.0f} s).")
+    for a in rep.get("abuse", []):
+        o, other = a["outcome"], a["other_client"]
+        refused = sum(n for k, n in o.items() if k != "admitted")
+        lines.append(f"- **{a['attempts']:,} streams opened by one client and never read** ({a['label']}): "
+                     f"{o.get('admitted', 0):,} admitted, {refused:,} refused ({', '.join(f'{k} {n:,}' for k, n in o.items() if k != 'admitted') or 'none'}); "
+                     f"another client's epoch {'complete' if other['complete'] else 'INCOMPLETE'} "
+                     f"({other['delivered']:,} of {other['expected']:,} samples, {other['distinct']:,} distinct); "
+                     f"server CPU with only the stalled streams open {a['stalled_cpu_percent']:.1f}%, "
+                     f"RSS {a['server_rss_mb']:.0f} MB.")
     lines += ["", "## Fuzz answers by status", "", "| status | requests |", "|---|---:|"]
     lines += [f"| {code} | {n:,} |" for code, n in sorted(f["statuses"].items(), key=lambda kv: -kv[1])]
     lines += ["", "## How each figure is made", "",
@@ -120,6 +138,10 @@ def markdown(rep: dict[str, Any]) -> str:
               "that resets every connection (RST) at 20 random batches.",
               "- Trainer kills (`faults.trainer_kills`): a trainer process saving `Loader.state_dict()` with its "
               "progress after every batch is SIGKILLed at random batches and restarted from that checkpoint.",
+              "- Stalled streams (`croupier/bench/abuse.py`): one client (127.0.0.1) opens the streams over 4 "
+              "connections with HTTP/2 window growth off and reads only their headers; another client (::1) "
+              "reads a whole epoch meanwhile; the server's CPU is its utime+stime ticks over 3 s once only the "
+              "stalled streams are left.",
               "- Reads are paced by croupier's injected latency (3 ms, fixed) so an epoch spans the faults; "
               "nothing here measures speed.",
               "",

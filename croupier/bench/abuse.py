@@ -1,0 +1,99 @@
+"""One abusive client against a real server: thousands of streams opened and never read,
+while another client reads a whole epoch. Counted: streams admitted and refused (by
+which limit), the other client's samples, and the server's CPU while only the stalled
+streams are left (utime + stime ticks from /proc/PID/stat over a fixed window).
+
+The abuser's channels turn off HTTP/2 window growth (BDP probing), so a stream it does
+not read really stalls at 64 KiB; a default client's transport keeps accepting megabytes
+per stream, which the server cannot tell from reading (see README, Limits).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from collections import Counter
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from croupier.demo_procs import ServerProcess, free_port
+from croupier.v1 import croupier_pb2 as pb
+from croupier.v1 import croupier_pb2_grpc as pb_grpc
+
+LIMIT_KEY = "croupier-limit"  # server.limits.LIMIT_METADATA_KEY: which limit refused a stream
+
+
+def _ticks(pid: int) -> int:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return int(fields[11]) + int(fields[12])
+
+
+def _rss_mb(pid: int) -> float:
+    return int(Path(f"/proc/{pid}/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def stalled_streams(workdir: Path, *, attempts: int = 2000, connections: int = 4, rows: int = 4000,
+                    extra_args: tuple[str, ...] = (), window_s: float = 3.0,
+                    log: Callable[[str], None] = lambda s: None) -> dict[str, Any]:
+    """`attempts` streams from one client (127.0.0.1) over `connections` connections, never
+    read past the header; another client (::1) reads an epoch of `rows` meanwhile."""
+    from croupier.client import Loader
+
+    workdir.mkdir(parents=True, exist_ok=True)
+    server = ServerProcess([f"rows=synthetic:{rows}:4096"], workdir, ["--prefetch", "1", *extra_args],
+                           port=free_port(), name="abuse-server", host="localhost").start()
+    pid = server.proc.pid  # type: ignore[union-attr]
+    hz = os.sysconf("SC_CLK_TCK")
+    result: dict[str, Any] = {"attempts": attempts, "connections": connections, "flags": list(extra_args)}
+    loop = asyncio.new_event_loop()
+    try:
+        async def abuse():
+            options = [("grpc.use_local_subchannel_pool", 1), ("grpc.http2.bdp_probe", 0)]
+            chans = [grpc.aio.insecure_channel(f"127.0.0.1:{server.port}", options=options) for _ in range(connections)]
+            calls, outcome = [], Counter()
+            for k in range(attempts):
+                stub = pb_grpc.CroupierStub(chans[k % connections])
+                call = stub.StreamEpoch(pb.StreamEpochRequest(dataset="rows", batch_size=4, seed=k))
+                calls.append(call)
+                try:
+                    await call.read()
+                    outcome["admitted"] += 1
+                except grpc.aio.AioRpcError as exc:
+                    limit = dict(exc.trailing_metadata() or ()).get(LIMIT_KEY)
+                    outcome[f"refused: {limit}" if limit else f"failed: {exc.code().name}"] += 1
+            return chans, calls, outcome
+
+        chans, calls, outcome = loop.run_until_complete(abuse())
+        result["outcome"] = dict(outcome)
+        log(f"  {attempts:,} stream attempts: {dict(outcome)}")
+        loader = Loader("rows", servers=f"[::1]:{server.port}", batch_size=25, seed=7, retry_backoff_s=0.05)
+        got = [i for b in loader.batches() for i in b.indices[~b.padding].tolist()]
+        loader.close()
+        result["other_client"] = {"expected": rows, "delivered": len(got), "distinct": len(set(got)),
+                                  "complete": sorted(got) == list(range(rows))}
+        log(f"  the other client's epoch: {len(got):,} of {rows:,} samples, {len(set(got)):,} distinct")
+        deadline = time.monotonic() + 60
+        while True:  # let the stalled streams fill their windows, then measure a fixed window
+            t0 = _ticks(pid)
+            time.sleep(1.0)
+            if _ticks(pid) - t0 <= hz // 20 or time.monotonic() > deadline:
+                break
+        t0 = _ticks(pid)
+        time.sleep(window_s)
+        used = _ticks(pid) - t0
+        result["stalled_cpu_percent"] = 100.0 * used / (window_s * hz)
+        result["server_rss_mb"] = _rss_mb(pid)
+        log(f"  server CPU with only the stalled streams open: {result['stalled_cpu_percent']:.1f}% over "
+            f"{window_s:.0f} s; RSS {result['server_rss_mb']:.0f} MB")
+        for call in calls:
+            call.cancel()
+        for ch in chans:
+            loop.run_until_complete(ch.close())
+    finally:
+        loop.close()
+        server.stop()
+    return result
