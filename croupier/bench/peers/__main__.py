@@ -1,0 +1,31 @@
+"""python -m croupier.bench.peers: the same as `croupier bench --suite peers`."""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+from pathlib import Path
+
+
+def main(argv: list[str] | None = None) -> int:
+    from .suite import full, quick, run_peers
+
+    p = argparse.ArgumentParser(prog="python -m croupier.bench.peers", description=__doc__)
+    p.add_argument("--quick", action="store_true", help="the smoke run: tiny data, croupier, Mosaic, LitData, latency FS")
+    p.add_argument("--out", default="benchmarks/results")
+    p.add_argument("--data-dir", help="where the generated data lives (default ~/.cache/croupier/bench-data/...)")
+    p.add_argument("--only", default="", help="run only the cases whose 'dataset | storage | system | variant' "
+                                               "contains this")
+    args = p.parse_args(argv)
+    suite = quick() if args.quick else full()
+    from .. import default_data_dir
+
+    data_dir = Path(args.data_dir) if args.data_dir else default_data_dir(suite.name)
+    command = "python -m croupier.bench.peers " + " ".join(map(shlex.quote, sys.argv[1:] if argv is None else argv))
+    rep = run_peers(suite, Path(args.out), data_dir, command.strip(), say=lambda s: print(s, flush=True), only=args.only)
+    return 0 if rep["cases"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

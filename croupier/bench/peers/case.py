@@ -1,0 +1,218 @@
+"""One case: a system's ranks (one runner process each) over one storage condition, watched.
+
+The harness starts the ranks at once, reads their JSON lines (runners/_common.py), and polls
+every `period` seconds what the issue asks of the trainer's machine: the bytes under the
+local cache folder (peak local disk) and the resident memory of every process the system
+runs there (ranks, their DataLoader workers, a croupier server: peak RSS, summed).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import threading
+import time
+from dataclasses import asdict, replace
+from pathlib import Path
+from typing import Any
+
+RUNNERS = Path(__file__).parent / "runners"
+
+
+def dir_bytes(path: str | os.PathLike) -> int:
+    """Bytes of the files under `path` (what the cache holds on disk now); 0 if absent."""
+    total = 0
+    stack = [str(path)]
+    while stack:
+        try:
+            with os.scandir(stack.pop()) as it:
+                for e in it:
+                    try:
+                        if e.is_dir(follow_symlinks=False):
+                            stack.append(e.path)
+                        elif e.is_file(follow_symlinks=False):
+                            total += e.stat(follow_symlinks=False).st_blocks * 512
+                    except OSError:
+                        continue  # evicted meanwhile
+        except OSError:
+            continue
+    return total
+
+
+def tree_pids(root: int) -> list[int]:
+    """`root` and its descendants (over every thread's children)."""
+    out, stack = [], [root]
+    while stack:
+        pid = stack.pop()
+        out.append(pid)
+        try:
+            for task in os.scandir(f"/proc/{pid}/task"):
+                try:
+                    with open(f"{task.path}/children") as f:
+                        stack += [int(c) for c in f.read().split()]
+                except OSError:
+                    continue
+        except OSError:
+            continue
+    return out
+
+
+def rss_mb(pid: int) -> float:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return 0.0
+
+
+class Watcher:
+    """Peak local disk of the cache folders and peak summed RSS of the process trees."""
+
+    def __init__(self, folders: list[str], period: float = 0.1):
+        self.folders, self.period = folders, period
+        self.roots: list[int] = []
+        self.peak_disk = 0
+        self.peak_rss = 0.0
+        self.samples = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="peers-watcher", daemon=True)
+
+    def _sample(self) -> None:
+        self.peak_disk = max(self.peak_disk, sum(dir_bytes(f) for f in self.folders))
+        pids = {p for r in list(self.roots) for p in tree_pids(r)}
+        self.peak_rss = max(self.peak_rss, sum(rss_mb(p) for p in pids))
+        self.samples += 1
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.period):
+            self._sample()
+
+    def __enter__(self) -> "Watcher":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stop.set()
+        self._thread.join(10)
+
+
+class RankProc:
+    """One runner process; its stdout lines parsed on a thread as they come."""
+
+    def __init__(self, python: str, script: str, job: dict[str, Any], env: dict[str, str], log: Path):
+        self.events: list[dict[str, Any]] = []
+        self._log = open(log, "a")
+        self._log.write(f"\n=== {script} rank {job['rank']}: {json.dumps(job)[:400]}\n")
+        self._log.flush()
+        self.proc = subprocess.Popen([python, str(RUNNERS / script), "read", json.dumps(job)], cwd=str(RUNNERS),
+                                     stdout=subprocess.PIPE, stderr=self._log, text=True, env=env,
+                                     start_new_session=True)
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            line = line.strip()
+            if line.startswith("{"):
+                try:
+                    self.events.append(json.loads(line))
+                except ValueError:
+                    self._log.write(f"(unparsed) {line[:200]}\n")
+            elif line:
+                self._log.write(line + "\n")
+
+    def wait(self, deadline: float) -> int | None:
+        try:
+            rc = self.proc.wait(max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            return None
+        self._reader.join(10)
+        return rc
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, 9)  # its own session: the rank and its DataLoader workers
+            except OSError:
+                self.proc.kill()
+            self.proc.wait(10)
+        self._reader.join(10)
+
+    def close(self) -> None:
+        self._log.close()
+
+
+def run_ranks(python: str, script: str, jobs: list[dict[str, Any]], env: dict[str, str], log: Path,
+              timeout: float, watch: Watcher, expect_kill: bool = False) -> tuple[list[list[dict[str, Any]]], list[str]]:
+    """Every rank at once; returns each rank's events and the problems seen (a rank that failed,
+    ran past `timeout`, or was killed when no kill was asked for)."""
+    procs = [RankProc(python, script, j, env, log) for j in jobs]
+    watch.roots += [p.proc.pid for p in procs]
+    deadline = time.monotonic() + timeout
+    problems: list[str] = []
+    try:
+        for r, p in enumerate(procs):
+            rc = p.wait(deadline)
+            if rc is None:
+                problems.append(f"rank {r} ran past {timeout:.0f} s and was killed")
+                for q in procs:
+                    q.kill()
+                break
+            if rc != 0 and not (expect_kill and rc == -9):
+                problems.append(f"rank {r} exited with {rc}; see {log}")
+    finally:
+        for p in procs:
+            p.kill()
+            p.close()
+    return [p.events for p in procs], problems
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# ---- figures from the events ------------------------------------------------------------------
+
+def per_epoch(ranks: list[list[dict[str, Any]]], epochs: int) -> list[dict[str, Any]]:
+    """Per epoch: samples, wall seconds (from the first rank's start of the epoch to the last
+    batch of any rank), samples/s, and each rank's batches (ids)."""
+    out = []
+    starts = [next((e["t"] for e in evs if e["ev"] == "start"), None) for evs in ranks]
+    for epoch in range(epochs):
+        batches = [[e for e in evs if e["ev"] == "batch" and e["epoch"] == epoch] for evs in ranks]
+        if epoch == 0:
+            begin = [s for s in starts if s is not None]
+        else:
+            begin = [e["t"] for evs in ranks for e in evs if e["ev"] == "epoch_end" and e["epoch"] == epoch - 1]
+        last = [b[-1]["t"] for b in batches if b]
+        samples = sum(len(x["ids"]) for b in batches for x in b)
+        wall = (max(last) - min(begin)) if last and begin else float("nan")
+        out.append({"epoch": epoch, "samples": samples, "wall_s": wall,
+                    "samples_per_s": samples / wall if wall and wall == wall and wall > 0 else float("nan"),
+                    "batches": [[x["ids"] for x in b] for b in batches],
+                    "complete": all(any(e["ev"] == "epoch_end" and e["epoch"] == epoch for e in evs) for evs in ranks)})
+    return out
+
+
+def first_batch_s(ranks: list[list[dict[str, Any]]]) -> float:
+    """The slowest rank's wait from building its loader to its first batch."""
+    waits = []
+    for evs in ranks:
+        start = next((e["t"] for e in evs if e["ev"] == "start"), None)
+        first = next((e["t"] for e in evs if e["ev"] == "batch"), None)
+        if start is not None and first is not None:
+            waits.append(first - start)
+    return max(waits) if waits else float("nan")
+
+
+def job_dict(job: Any, **changes: Any) -> dict[str, Any]:
+    return asdict(replace(job, **changes))

@@ -1,0 +1,163 @@
+"""peers.md and its plots from the suite's JSON (suite.run_peers)."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+VARIANT_NAMES = {"default": "default", "strongest": "strongest shuffle", "cache10": "cache = 10% of data"}
+
+
+def _f(x: Any, fmt: str = ",.0f") -> str:
+    return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, fmt)
+
+
+def _rate(r: dict[str, Any], epoch: int) -> float | None:
+    eps = r.get("epochs") or []
+    if epoch < len(eps) and eps[epoch]["complete"]:
+        return eps[epoch]["samples_per_s"]
+    return None
+
+
+def one_line(r: dict[str, Any]) -> str:
+    if r["variant"] == "resume":
+        rs = r.get("resume")
+        return (f"resume after {r.get('kill_after_batches_per_rank')} batches/rank: "
+                + (f"lost {rs['lost']}, repeated {rs['repeated']} of {rs['expected']}" if rs else "not checked")
+                + (f"; problems: {r['problems']}" if r["problems"] else "") + f" ({r['wall_s']:.1f} s)")
+    q = r.get("quality") or {}
+    return (f"epoch 1 {_f(_rate(r, 0))} samples/s, epoch 2 {_f(_rate(r, 1))}, first batch {_f(r.get('first_batch_s'), '.2f')} s, "
+            f"disk {_f(r.get('peak_local_disk_mb'), '.1f')} MB, RSS {_f(r.get('peak_rss_mb'))} MB, "
+            f"displacement {_f(q.get('mean_displacement'), '.3f')}, uniform {q.get('uniform', '-')}"
+            + (f"; problems: {r['problems']}" if r["problems"] else "") + f" ({r['wall_s']:.1f} s)")
+
+
+def _resume_cell(rep: dict[str, Any], r: dict[str, Any]) -> str:
+    m = next((x for x in rep["cases"] if x["variant"] == "resume" and x["system"] == r["system"]
+              and x["dataset"] == r["dataset"] and x["condition"]["name"] == r["condition"]["name"]), None)
+    if m is None or not m.get("resume"):
+        return "-"
+    rs = m["resume"]
+    return f"{'exact' if rs['exact'] else 'NOT exact'}: lost {rs['lost']}, repeated {rs['repeated']}"
+
+
+def table(rep: dict[str, Any], cond: str, ds: str) -> str:
+    rows = [r for r in rep["cases"] if r["condition"]["name"] == cond and r["dataset"] == ds and r["variant"] != "resume"]
+    if not rows:
+        return ""
+    ref = rep.get("uniform_reference", {}).get(ds, {})
+    head = ("| system | setting | shuffle | epoch 1 (cold) samples/s | epoch 2 samples/s | first batch s "
+            "| peak local disk MB | peak RSS MB | mean displacement | Spearman | shards per batch "
+            "| Mosaic entropy (harmonic) | uniform? | mid-epoch resume |\n" + "|---" * 14 + "|")
+    lines = [head]
+    for r in rows:
+        q = r.get("quality") or {}
+        me = (q.get("mosaic_entropy") or {}).get("harmonic")
+        lines.append(
+            f"| {r['label']} | {VARIANT_NAMES[r['variant']]} | {r['shuffle']} | {_f(_rate(r, 0))} | {_f(_rate(r, 1))} "
+            f"| {_f(r.get('first_batch_s'), '.2f')} | {_f(r.get('peak_local_disk_mb'), '.1f')} | {_f(r.get('peak_rss_mb'))} "
+            f"| {_f(q.get('mean_displacement'), '.3f')} | {_f(q.get('spearman'), '+.3f')} | {_f(q.get('shards_per_batch'), '.1f')} "
+            f"| {_f(me, '.2f')} | {'yes' if q.get('uniform') else ('no' if q else '-')} "
+            f"| {_resume_cell(rep, r) if r['variant'] == 'default' else ''} |")
+    if ref:
+        lines.append(
+            f"| *numpy uniform permutation* | reference | | | | | | | {_f(ref['mean_displacement'], '.3f')} "
+            f"| {_f(ref['spearman'], '+.3f')} | {_f(ref['shards_per_batch'], '.1f')} "
+            f"| {_f(ref['mosaic_entropy']['harmonic'], '.2f')} | {'yes' if ref['uniform'] else 'no'} | |")
+    return "\n".join(lines)
+
+
+def plots(rep: dict[str, Any], out: Path, name: str) -> list[str]:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return []
+    made: list[str] = []
+    panels = sorted({(r["condition"]["name"], r["dataset"]) for r in rep["cases"] if r["variant"] != "resume"})
+    if panels:
+        fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4.5), squeeze=False)
+        for ax, (cond, ds) in zip(axes[0], panels):
+            rows = [r for r in rep["cases"] if r["condition"]["name"] == cond and r["dataset"] == ds
+                    and r["variant"] != "resume"]
+            labels = [f"{r['label']}\n{VARIANT_NAMES[r['variant']]}" for r in rows]
+            x = range(len(rows))
+            ax.bar([i - 0.2 for i in x], [_rate(r, 0) or 0 for r in rows], 0.4, label="epoch 1 (cold)")
+            ax.bar([i + 0.2 for i in x], [_rate(r, 1) or 0 for r in rows], 0.4, label="epoch 2")
+            ax.set_xticks(list(x), labels, rotation=60, ha="right", fontsize=7)
+            ax.set_title(f"{ds}, {cond}", fontsize=9)
+            ax.set_ylabel("samples/s at the trainer (all ranks)")
+            ax.legend(fontsize=7)
+        fig.tight_layout()
+        fname = f"{name}-throughput.png"
+        fig.savefig(out / fname, dpi=110)
+        plt.close(fig)
+        made.append(fname)
+    pts = [r for r in rep["cases"] if r.get("quality") and _rate(r, 0)]
+    if pts:
+        fig, ax = plt.subplots(figsize=(7, 5))
+        for r in pts:
+            ax.scatter(r["quality"]["mean_displacement"], _rate(r, 0), s=30)
+            ax.annotate(f"{r['label']} {VARIANT_NAMES[r['variant']]}, {r['dataset']}, {r['condition']['key']}",
+                        (r["quality"]["mean_displacement"], _rate(r, 0)), fontsize=6)
+        ax.axvline(1 / 3, color="grey", linestyle=":", label="uniform shuffle (1/3)")
+        ax.set_xlabel("mean displacement of the delivered order (|position - id| / n)")
+        ax.set_ylabel("epoch 1 (cold) samples/s")
+        ax.set_title("throughput against shuffle quality")
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        fname = f"{name}-quality.png"
+        fig.savefig(out / fname, dpi=110)
+        plt.close(fig)
+        made.append(fname)
+    return made
+
+
+def markdown(rep: dict[str, Any], made: list[str]) -> str:
+    m = rep["machine"]
+    d = rep["data"]
+    out = [f"# croupier beside Mosaic Streaming, LitData, tf.data service, torchdata (`{rep['suite']}`)", ""]
+    if rep["suite"].endswith("quick"):
+        out += ["**Quick-mode smoke figures on tiny data, not the issue's results:** a few thousand rows, one",
+                "DataLoader worker per rank, on a shared machine; they show that the harness runs end to end,",
+                "not how the systems compare.", ""]
+    out += [f"Command: `{rep['command']}`", "",
+            f"Machine: {m['cpu']}, {m['cores']} cores, {m['memory_gb']:.0f} GB; Python {m['python']}. "
+            f"Code: {rep['code']}. Started {rep['started']}; load average {rep['load']['start'][0]:.2f} at the start, "
+            f"{rep['load']['end'][0]:.2f} at the end; {rep['wall_s'] / 60:.1f} min.", "",
+            f"Data: text {d['text_rows']:,} rows (~1 KB each), images {d['images']:,} JPEGs of "
+            f"{d['image_size']}x{d['image_size']}; each peer's shards written by its own writer in "
+            f"{rep['shards']} shards per dataset. {rep['world']} ranks, batch {rep['batch']}, "
+            f"{rep['workers']} DataLoader worker(s) per rank for the peers that have them, {rep['epochs']} epochs "
+            f"from a fresh local cache (epoch 1 is cold: storage evicted, cache empty).", "",
+            "Versions (pip freeze of each venv's key packages):", ""]
+    for sys_, v in rep["versions"].items():
+        out.append(f"- {sys_}: " + ", ".join(f"{k} {x}" for k, x in v.items()))
+    out += ["", "How to read: samples/s are all ranks' samples of the epoch over its wall time, from the "
+            "first rank starting it to the last batch of any rank (epoch 1 includes building the loader and "
+            "the first downloads). Peak local disk is the cache folder polled every 0.1 s; peak RSS sums every "
+            "process of the system on the trainer machine (ranks, their workers, croupier's server). "
+            "Shuffle figures are on epoch 1's delivered order, ranks interleaved batch by batch: mean displacement "
+            "(1/3 for a uniform shuffle), Spearman (0), distinct shards per batch, Mosaic's neighbour-difference "
+            "entropy (harmonic mean of sample and shard entropies; compare with the numpy row), and whether "
+            "the uniformity tests of croupier.shuffle_quality reject it. Resume: the trainer killed after a third "
+            "of epoch 1 right after its checkpoint, resumed from it; ids lost and repeated against the "
+            "uninterrupted epoch.", ""]
+    conds = list(dict.fromkeys(r["condition"]["name"] for r in rep["cases"]))
+    for cond in conds:
+        for ds in ("text", "image"):
+            t = table(rep, cond, ds)
+            if t:
+                out += [f"## {ds}, {cond}", "", t, ""]
+    for f in made:
+        out += [f"![{f}]({f})", ""]
+    if rep.get("reading"):
+        out += ["## Reading", "", rep["reading"], ""]
+    if rep["skipped"]:
+        out += ["## Skipped", ""] + [f"- {s}" for s in rep["skipped"]] + [""]
+    if rep["errors"]:
+        out += ["## Errors and problems", ""] + [f"- {e}" for e in rep["errors"]] + [""]
+    return "\n".join(out)
