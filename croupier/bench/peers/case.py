@@ -103,12 +103,13 @@ class Watcher:
 class RankProc:
     """One runner process; its stdout lines parsed on a thread as they come."""
 
-    def __init__(self, python: str, script: str, job: dict[str, Any], env: dict[str, str], log: Path):
+    def __init__(self, python: str, script: str, job: dict[str, Any] | list[dict[str, Any]], env: dict[str, str],
+                 log: Path, prefix: tuple[str, ...] = (), command: str = "read"):
         self.events: list[dict[str, Any]] = []
         self._log = open(log, "a")
-        self._log.write(f"\n=== {script} rank {job['rank']}: {json.dumps(job)[:400]}\n")
+        self._log.write(f"\n=== {script} {command}: {json.dumps(job)[:400]}\n")
         self._log.flush()
-        self.proc = subprocess.Popen([python, str(RUNNERS / script), "read", json.dumps(job)], cwd=str(RUNNERS),
+        self.proc = subprocess.Popen([*prefix, python, str(RUNNERS / script), command, json.dumps(job)], cwd=str(RUNNERS),
                                      stdout=subprocess.PIPE, stderr=self._log, text=True, env=env,
                                      start_new_session=True)
         self._reader = threading.Thread(target=self._read, daemon=True)
@@ -164,12 +165,38 @@ def run_ranks(python: str, script: str, jobs: list[dict[str, Any]], env: dict[st
                     q.kill()
                 break
             if rc != 0 and not (expect_kill and rc == -9):
-                problems.append(f"rank {r} exited with {rc}; see {log}")
+                said = "; ".join(e["text"] for e in p.events if e["ev"] == "error")
+                problems.append(f"rank {r} exited with {rc}" + (f": {said}" if said else f"; see {log}"))
     finally:
         for p in procs:
             p.kill()
             p.close()
     return [p.events for p in procs], problems
+
+
+def run_group(python: str, script: str, jobs: list[dict[str, Any]], env: dict[str, str], log: Path,
+              timeout: float, watch: Watcher) -> tuple[list[list[dict[str, Any]]], list[str]]:
+    """Every rank under one `group` process in a network namespace with only loopback (the
+    tf.data service's servers bind every interface); its lines carry "rank"."""
+    import shutil
+
+    if shutil.which("unshare") is None or shutil.which("ip") is None:
+        raise RuntimeError("needs `unshare` and `ip` (util-linux, iproute2) to keep its servers on loopback")
+    proc = RankProc(python, script, jobs, env, log, prefix=("unshare", "--net"), command="group")
+    watch.roots.append(proc.proc.pid)
+    problems: list[str] = []
+    try:
+        rc = proc.wait(time.monotonic() + timeout)
+        if rc is None:
+            problems.append(f"ran past {timeout:.0f} s and was killed")
+        elif rc != 0:
+            said = "; ".join(e["text"] for e in proc.events if e["ev"] == "error")
+            problems.append(f"exited with {rc}" + (f": {said}" if said else f"; see {log}"))
+    finally:
+        proc.kill()
+        proc.close()
+    ranks = [[e for e in proc.events if e.get("rank") == j["rank"]] for j in jobs]
+    return ranks, problems
 
 
 def free_port() -> int:
@@ -199,7 +226,9 @@ def per_epoch(ranks: list[list[dict[str, Any]]], epochs: int) -> list[dict[str, 
         out.append({"epoch": epoch, "samples": samples, "wall_s": wall,
                     "samples_per_s": samples / wall if wall and wall == wall and wall > 0 else float("nan"),
                     "batches": [[x["ids"] for x in b] for b in batches],
-                    "complete": all(any(e["ev"] == "epoch_end" and e["epoch"] == epoch for e in evs) for evs in ranks)})
+                    "complete": all(any(e["ev"] == "epoch_end" and e["epoch"] == epoch and not e.get("cut") for e in evs)
+                                    for evs in ranks),
+                    "cut": any(e["ev"] == "epoch_end" and e["epoch"] == epoch and e.get("cut") for evs in ranks for e in evs)})
     return out
 
 

@@ -14,10 +14,19 @@ def _f(x: Any, fmt: str = ",.0f") -> str:
 
 
 def _rate(r: dict[str, Any], epoch: int) -> float | None:
+    """The epoch's rate; a cut epoch's (a thrashing cache: see PeersSuite.cache10_epoch_s) counts too."""
     eps = r.get("epochs") or []
-    if epoch < len(eps) and eps[epoch]["complete"]:
+    if epoch < len(eps) and (eps[epoch]["complete"] or eps[epoch].get("cut")):
         return eps[epoch]["samples_per_s"]
     return None
+
+
+def _rate_cell(r: dict[str, Any], epoch: int) -> str:
+    eps = r.get("epochs") or []
+    cut = epoch < len(eps) and eps[epoch].get("cut")
+    if epoch < len(eps) and not eps[epoch]["complete"] and not cut and eps[epoch]["samples"] == 0:
+        return "not run" if epoch and eps[epoch - 1].get("cut") else "-"
+    return _f(_rate(r, epoch)) + (" (cut)" if cut else "")
 
 
 def one_line(r: dict[str, Any]) -> str:
@@ -27,7 +36,7 @@ def one_line(r: dict[str, Any]) -> str:
                 + (f"lost {rs['lost']}, repeated {rs['repeated']} of {rs['expected']}" if rs else "not checked")
                 + (f"; problems: {r['problems']}" if r["problems"] else "") + f" ({r['wall_s']:.1f} s)")
     q = r.get("quality") or {}
-    return (f"epoch 1 {_f(_rate(r, 0))} samples/s, epoch 2 {_f(_rate(r, 1))}, first batch {_f(r.get('first_batch_s'), '.2f')} s, "
+    return (f"epoch 1 {_rate_cell(r, 0)} samples/s, epoch 2 {_rate_cell(r, 1)}, first batch {_f(r.get('first_batch_s'), '.2f')} s, "
             f"disk {_f(r.get('peak_local_disk_mb'), '.1f')} MB, RSS {_f(r.get('peak_rss_mb'))} MB, "
             f"displacement {_f(q.get('mean_displacement'), '.3f')}, uniform {q.get('uniform', '-')}"
             + (f"; problems: {r['problems']}" if r["problems"] else "") + f" ({r['wall_s']:.1f} s)")
@@ -37,7 +46,9 @@ def _resume_cell(rep: dict[str, Any], r: dict[str, Any]) -> str:
     m = next((x for x in rep["cases"] if x["variant"] == "resume" and x["system"] == r["system"]
               and x["dataset"] == r["dataset"] and x["condition"]["name"] == r["condition"]["name"]), None)
     if m is None or not m.get("resume"):
-        return "-"
+        from .suite import NO_RESUME
+
+        return NO_RESUME.get(r["system"], "-")
     rs = m["resume"]
     return f"{'exact' if rs['exact'] else 'NOT exact'}: lost {rs['lost']}, repeated {rs['repeated']}"
 
@@ -55,7 +66,7 @@ def table(rep: dict[str, Any], cond: str, ds: str) -> str:
         q = r.get("quality") or {}
         me = (q.get("mosaic_entropy") or {}).get("harmonic")
         lines.append(
-            f"| {r['label']} | {VARIANT_NAMES[r['variant']]} | {r['shuffle']} | {_f(_rate(r, 0))} | {_f(_rate(r, 1))} "
+            f"| {r['label']} | {VARIANT_NAMES[r['variant']]} | {r['shuffle']} | {_rate_cell(r, 0)} | {_rate_cell(r, 1)} "
             f"| {_f(r.get('first_batch_s'), '.2f')} | {_f(r.get('peak_local_disk_mb'), '.1f')} | {_f(r.get('peak_rss_mb'))} "
             f"| {_f(q.get('mean_displacement'), '.3f')} | {_f(q.get('spearman'), '+.3f')} | {_f(q.get('shards_per_batch'), '.1f')} "
             f"| {_f(me, '.2f')} | {'yes' if q.get('uniform') else ('no' if q else '-')} "

@@ -36,7 +36,7 @@ import numpy as np
 from ..datagen import BenchData, DataSpec, ensure_data, text_table
 from ..real import Condition, latency_fs, open_storage, s3
 from . import quality, venvs
-from .case import Watcher, first_batch_s, free_port, per_epoch, run_ranks
+from .case import Watcher, first_batch_s, free_port, per_epoch, run_group, run_ranks
 from .runners._common import Job
 
 #: Runner script per system (runners/), and the venv it runs in (None: croupier's own).
@@ -52,12 +52,23 @@ SHUFFLE = {
     ("croupier", "default"): "global permutation per epoch (the plan), batches out of order",
     ("mosaic", "default"): "py1e (default): shuffle blocks of 262,144 samples per canonical node",
     ("mosaic", "strongest"): "naive: a global permutation of the samples",
-    ("litdata", "default"): "shuffle=True: chunks permuted per rank, samples shuffled within chunk intervals",
-    ("litdata", "strongest"): "shuffle=True + FullShuffle (samples permuted across all chunks)",
-    ("tfdata", "default"): "file shuffle + shuffle buffer of 1,000 (the user's own, before distribute)",
+    ("litdata", "default"): "shuffle=True (FullShuffle): chunks permuted, samples shuffled in windows of 256 inside a chunk",
+    ("litdata", "strongest"): "shuffle=True, item_shuffle_window='full': a full permutation inside each chunk "
+                              "(LitData has no shuffle across chunks)",
+    ("tfdata", "default"): "files shuffled + the user's shuffle buffer of 1,000, on the service's workers",
     ("tfdata", "strongest"): "file shuffle + shuffle buffer the size of the dataset",
     ("torchdata", "default"): "DistributedSampler (global permutation) + ParallelMapper(in_order=False)",
 }
+
+
+#: Cases a peer cannot run here, and why (system, storage, dataset or "*").
+NOT_RUN = {
+    ("tfdata", "s3", "*"): "TensorFlow 2.21 has no s3:// file system (it moved to tensorflow-io, not set up here)",
+    ("torchdata", "s3", "text"): "rows of the Arrow files on S3 need ranged reads with an index; torchdata has "
+                                 "no writer or index of its own (images on S3 are run: one GET per file)",
+}
+#: What a resume cell says for a system that has no resume case.
+NO_RESUME = {"tfdata": "none: a tf.data service iterator cannot be checkpointed"}
 
 
 @dataclass(frozen=True)
@@ -80,6 +91,9 @@ class PeersSuite:
     kill_fraction: float = 1 / 3
     #: Per run of a system's ranks.
     timeout_s: float = 600.0
+    #: A peer thrashing its 10% cache can take many minutes an epoch: its epoch is cut after this
+    #: long, and reported as the rate of the part it ran (its later epochs are then not run).
+    cache10_epoch_s: float = 60.0
     seed: int = 0
     variants: tuple[str, ...] = ("default", "strongest", "cache10", "resume")
 
@@ -96,10 +110,18 @@ def full() -> PeersSuite:
 
 
 def quick() -> PeersSuite:
-    """A couple of minutes on tiny data: croupier, Mosaic and LitData on the latency FS (the smoke test)."""
+    """A few minutes on tiny data: croupier, Mosaic and LitData, text on the latency FS (the smoke run)."""
     return PeersSuite(name="peers-quick", data=DataSpec(text_rows=3_200, images=640, shard_size=100),
-                      systems=("croupier", "mosaic", "litdata"), conditions=(latency_fs(5.0),),
-                      workers=1, timeout_s=180.0)
+                      systems=("croupier", "mosaic", "litdata"), conditions=(latency_fs(5.0),), datasets=("text",),
+                      workers=1, timeout_s=180.0, cache10_epoch_s=15.0)
+
+
+def resized(suite: PeersSuite, text_rows: int | None = None, images: int | None = None) -> PeersSuite:
+    """The same suite on other data sizes (`--text-rows`, `--images`: the full matrix on tiny data, to check it runs)."""
+    data = replace(suite.data, text_rows=text_rows or suite.data.text_rows, images=images or suite.data.images)
+    if data == suite.data:
+        return suite
+    return replace(suite, name=f"{suite.name}-{data.text_rows}-rows-{data.images}-images", data=data)
 
 
 # ---- the peers' shards ----------------------------------------------------------------------
@@ -170,8 +192,12 @@ class Ctx:
     written: dict[tuple[str, str], dict[str, Any]] = field(default_factory=dict)
 
 
+#: Systems that read the benchmark's own files (the save_to_disk folder, the ImageFolder tree): no writer.
+OWN_FILES = ("croupier", "torchdata")
+
+
 def _remote(st: Any, system: str, ds: str) -> str:
-    if system == "croupier":
+    if system in OWN_FILES:
         return st.croupier_path("text" if ds == "text" else "imagefolder")
     sub = f"peers/{system}-{ds}"
     if st.condition.key == "s3":
@@ -185,7 +211,7 @@ def _evict(st: Any, system: str, ds: str) -> None:
     """Cold storage before every run: the latency FS drops the files' cached pages."""
     if st.condition.key != "fuse":
         return
-    if system == "croupier":
+    if system in OWN_FILES:
         st.before_case("text" if ds == "text" else "imagefolder")
     else:
         st.fs.evict([Path(st.fs.path) / "peers" / f"{system}-{ds}"])
@@ -205,14 +231,14 @@ def run_system(ctx: Ctx, st: Any, system: str, ds: str, variant: str, n: int, ex
     local = run_dir / "cache"
     run_dir.mkdir(parents=True)
     total_bytes = ctx.written.get((system, ds), {}).get("bytes", 0)
-    # A cache of 10% is as cold in epoch 2 as in epoch 1: one epoch says it (and thrashing peers are slow).
-    epochs = 1 if variant in ("resume", "cache10") else s.epochs
+    epochs = 1 if variant == "resume" else s.epochs
     rows = s.rows(ds)
     batches_per_rank = -(-rows // (s.batch * s.world))
     job = Job(system=system, dataset=ds, remote=_remote(st, system, ds), local=str(local), world=s.world,
               batch=s.batch, epochs=epochs, workers=s.workers, shuffle="strongest" if variant == "strongest" else "default",
               cache_limit=int(total_bytes * s.cache_fraction) if variant == "cache10" else 0,
               state_path=str(run_dir / "state.json"), seed=s.seed,
+              max_epoch_s=s.cache10_epoch_s if variant == "cache10" else 0.0,
               endpoint=getattr(getattr(st, "server", None), "endpoint", "") if st.condition.key == "s3" else "",
               master_port=free_port())
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONDONTWRITEBYTECODE": "1"}
@@ -260,7 +286,11 @@ def run_system(ctx: Ctx, st: Any, system: str, ds: str, variant: str, n: int, ex
                     rec["problems"].append("no uninterrupted epoch to compare the resume with (its default run failed)")
                 rec["resume_first_batch_s"] = first_batch_s(after)
             else:
-                ranks, problems = run_ranks(python, SCRIPTS[system], jobs, env, ctx.log, s.timeout_s, watch)
+                if system == "tfdata":  # a dispatcher and workers beside the ranks, in a loopback-only namespace
+                    jobs = [{**j, "extra": {"run": run_dir.name, "rows": rows}} for j in jobs]
+                    ranks, problems = run_group(python, SCRIPTS[system], jobs, env, ctx.log, s.timeout_s, watch)
+                else:
+                    ranks, problems = run_ranks(python, SCRIPTS[system], jobs, env, ctx.log, s.timeout_s, watch)
                 rec["problems"] += problems
                 epochs_ = per_epoch(ranks, epochs)
                 rec["first_batch_s"] = first_batch_s(ranks)
@@ -268,7 +298,7 @@ def run_system(ctx: Ctx, st: Any, system: str, ds: str, variant: str, n: int, ex
                 orders = [quality.global_order(e["batches"]) for e in epochs_]
                 rec["coverage"] = [quality.epoch_coverage(o, rows) for o in orders]
                 rec["order_epoch0"] = orders[0].tolist() if len(orders) and len(orders[0]) else []
-                if len(orders) and len(orders[0]) > 2 * s.batch:
+                if len(orders) and len(orders[0]) > 2 * s.batch and epochs_[0]["complete"]:
                     rec["quality"] = quality.figures(orders[0], s.batch, s.shard_rows(ds),
                                                      orders[1] if len(orders) > 1 else None)
                 rec["peak_rss_mb_ranks"] = [next((e.get("peak_rss_mb") for e in evs if e["ev"] == "end"), None)
@@ -277,6 +307,8 @@ def run_system(ctx: Ctx, st: Any, system: str, ds: str, variant: str, n: int, ex
     finally:
         if server is not None:
             server.stop()
+        if system == "mosaic":
+            _mosaic_cleanup(ctx, rec)
         rec["peak_local_disk_mb"] = watch.peak_disk / 1e6
         rec["peak_rss_mb"] = watch.peak_rss
         rec["watch_samples"] = watch.samples
@@ -286,6 +318,15 @@ def run_system(ctx: Ctx, st: Any, system: str, ds: str, variant: str, n: int, ex
         rec["wall_s"] = time.perf_counter() - t_case
         shutil.rmtree(run_dir, ignore_errors=True)
     return rec
+
+
+def _mosaic_cleanup(ctx: Ctx, rec: dict[str, Any]) -> None:
+    import subprocess
+
+    r = subprocess.run([ctx.pythons["mosaic"], str(Path(__file__).parent / "runners" / SCRIPTS["mosaic"]), "cleanup",
+                        "{}"], cwd=str(Path(__file__).parent / "runners"), capture_output=True, text=True, timeout=120)
+    if r.returncode != 0:
+        rec["problems"].append(f"Mosaic's shared-memory clean-up failed: {r.stderr.strip()[-300:]}")
 
 
 # ---- the suite --------------------------------------------------------------------------------
@@ -318,7 +359,8 @@ def run_peers(suite: PeersSuite, out: Path, data_dir: Path, command: str, say: C
     t0 = time.perf_counter()
     out.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix=f"croupier-bench-{suite.name}-", dir=str(Path.home() / ".cache")))
-    log = work / "runs.log"
+    log = Path(tempfile.gettempdir()) / f"croupier-bench-{suite.name}-runs.log"  # kept: not a result
+    log.write_text("")
     rep: dict[str, Any] = {
         "suite": suite.name, "command": command, "machine": machine(), "code": code_state(),
         "started": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
@@ -331,7 +373,7 @@ def run_peers(suite: PeersSuite, out: Path, data_dir: Path, command: str, say: C
     ctx = Ctx(suite, data, work, log, say)
     ctx.pythons = _setup_systems(suite, say, rep)
     for system in suite.systems:
-        if system == "croupier" or system not in ctx.pythons:
+        if system in OWN_FILES or system not in ctx.pythons:
             continue
         for ds in suite.datasets:
             try:
@@ -339,9 +381,11 @@ def run_peers(suite: PeersSuite, out: Path, data_dir: Path, command: str, say: C
             except Exception as exc:
                 rep["errors"].append(f"{system} {ds}: shards not written: {exc}")
                 say(f"  {system}: {exc}")
-    for ds in suite.datasets:  # croupier reads the benchmark's own files
+    for ds in suite.datasets:
         src = data.text if ds == "text" else data.imagefolder
-        ctx.written[("croupier", ds)] = {"bytes": sum(f.stat().st_size for f in src.rglob("*") if f.is_file())}
+        for system in OWN_FILES:
+            if system in suite.systems:
+                ctx.written[(system, ds)] = {"bytes": sum(f.stat().st_size for f in src.rglob("*") if f.is_file())}
     rep["written"] = {f"{k[0]} {k[1]}": v for k, v in ctx.written.items()}
     fuse_reason = latencyfs.check_available()
     plan = [(cond, ds, system, v) for cond in suite.conditions for ds in suite.datasets for system in suite.systems
@@ -363,6 +407,10 @@ def run_peers(suite: PeersSuite, out: Path, data_dir: Path, command: str, say: C
                 what = f"{ds} | {cond.name} | {LABELS[system]} | {variant}"
                 if system not in ctx.pythons or (system, ds) not in ctx.written:
                     rep["skipped"].append(f"{what}: not set up (see errors)")
+                    continue
+                why = NOT_RUN.get((system, cond.key, ds)) or NOT_RUN.get((system, cond.key, "*"))
+                if why:
+                    rep["skipped"].append(f"{what}: {why}")
                     continue
                 say(f"[{n}/{len(plan)}] {what} ...")
                 try:

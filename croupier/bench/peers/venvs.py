@@ -51,7 +51,7 @@ PEERS: dict[str, PeerEnv] = {
                        key_packages=("litdata", "torch", "numpy", "boto3", "obstore", "pillow")),
     "tfdata": PeerEnv("tfdata", ("tensorflow-cpu==2.21.0", "pillow"), needs_torch=False,
                       key_packages=("tensorflow-cpu", "tensorflow", "numpy", "pillow")),
-    "torchdata": PeerEnv("torchdata", ("torchdata==0.11.0", "pillow", "pyarrow", "boto3"),
+    "torchdata": PeerEnv("torchdata", ("torchdata==0.11.0", "numpy", "pillow", "pyarrow", "boto3"),
                          key_packages=("torchdata", "torch", "numpy", "pyarrow", "boto3", "pillow")),
 }
 

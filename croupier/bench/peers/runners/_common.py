@@ -52,6 +52,8 @@ class Job:
     endpoint: str = ""
     #: torch.distributed rendezvous on loopback, for peers that need a process group.
     master_port: int = 0
+    #: Stop the run this long into an epoch (0: never): the epoch is reported as cut, later ones are not run.
+    max_epoch_s: float = 0.0
     #: System-specific extras (a croupier server address, a tf.data dispatcher, ...).
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -114,9 +116,15 @@ def run_epochs(job: Job, epochs_iter, state_fn=None) -> None:
     first = 0  # the kill happens in the first epoch the job runs
     for epoch in range(job.epochs):
         n = 0
+        began = now()
         for ids in epochs_iter(epoch):
             n += 1
-            emit("batch", epoch=epoch, t=now(), ids=ids)
+            t = now()
+            emit("batch", epoch=epoch, t=t, ids=ids)
+            if job.max_epoch_s and t - began > job.max_epoch_s:
+                emit("epoch_end", epoch=epoch, t=t, batches=n, cut=True)
+                emit("end", t=now(), peak_rss_mb=peak_rss_mb())
+                return
             if job.kill_after and epoch == first and n == job.kill_after:
                 # A synchronous trainer checkpoints after step K on every rank, then is killed:
                 # each rank has consumed exactly K batches.
@@ -179,8 +187,9 @@ def torchvision_or_placeholder() -> str:
     import types
 
     try:
-        import torchvision  # noqa: F401
+        import torchvision
 
+        del torchvision
         return ""
     except (RuntimeError, ImportError, OSError) as exc:
         reason = f"{type(exc).__name__}: {exc}"
@@ -208,3 +217,12 @@ def torchvision_or_placeholder() -> str:
     sys.modules.update({"torchvision": tv, "torchvision.datasets": datasets, "torchvision.transforms": transforms,
                         "torchvision.transforms.functional": functional})
     return f"torchvision replaced by a placeholder for streaming.vision's unused datasets: {reason}"
+
+
+def guarded(main) -> int:
+    """Run `main`; an exception is also printed as {"ev": "error"} so the harness reports its message."""
+    try:
+        return main()
+    except Exception as exc:
+        emit("error", text=f"{type(exc).__name__}: {str(exc)[:600]}")
+        raise

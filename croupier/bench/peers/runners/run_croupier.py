@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import sys
 
-from _common import Job, emit, load_state, now, run_epochs
+from _common import Job, guarded, emit, load_state, now, run_epochs
 
 
 def read(job: Job) -> None:
@@ -50,4 +50,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(guarded(main))

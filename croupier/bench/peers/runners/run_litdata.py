@@ -23,7 +23,7 @@ import sys
 
 os.environ.setdefault("LITDATA_DISABLE_VERSION_CHECK", "1")
 
-from _common import Job, decode_jpeg, emit, load_state, now, run_epochs, source_rows  # noqa: E402
+from _common import Job, guarded, decode_jpeg, emit, load_state, now, run_epochs, source_rows  # noqa: E402
 
 def _row(row: dict) -> dict:
     return row  # the rows are the inputs: optimize()'s workers are spawned, they share no globals
@@ -93,4 +93,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(guarded(main))

@@ -2,6 +2,7 @@
 
     python run_mosaic.py write '{"dataset": "text", "source": ..., "out": ..., "shard_bytes": ...}'
     python run_mosaic.py read '<Job as JSON>'
+    python run_mosaic.py cleanup '{}'      (after each case: a killed trainer leaves shared memory)
 
 Set up as its documentation recommends for remote data: `remote` = the shards on the slow
 storage (a folder on the latency FS, or s3:// with S3_ENDPOINT_URL pointing at the loopback
@@ -20,7 +21,7 @@ import json
 import os
 import sys
 
-from _common import Job, decode_jpeg, emit, load_state, now, run_epochs, source_rows, torchvision_or_placeholder
+from _common import Job, guarded, decode_jpeg, emit, load_state, now, run_epochs, source_rows, torchvision_or_placeholder
 
 COLUMNS = {
     "text": {"id": "int64", "label": "int64", "text": "str", "tokens": "ndarray:int32"},
@@ -51,7 +52,7 @@ def read(job: Job) -> None:
                        "MASTER_PORT": str(job.master_port)})
     if job.endpoint:
         os.environ["S3_ENDPOINT_URL"] = job.endpoint
-    import torch  # noqa: F401
+    import torch
 
     note = torchvision_or_placeholder()
     if note:
@@ -65,8 +66,6 @@ def read(job: Job) -> None:
             row = super().get_item(idx)
             if image:
                 return {"id": row["id"], "label": row["label"], "image": decode_jpeg(row["jpg"])}
-            import torch
-
             return {"id": row["id"], "label": row["label"], "text": row["text"],
                     "tokens": torch.from_numpy(row["tokens"].copy())}
 
@@ -90,9 +89,21 @@ def read(job: Job) -> None:
     run_epochs(job, epoch, loader.state_dict)
 
 
+def cleanup() -> dict:
+    """Unlink the shared memory a killed run leaves in /dev/shm (Mosaic's own clean-up call)."""
+    torchvision_or_placeholder()
+    from streaming.base.util import clean_stale_shared_memory
+
+    before = len(os.listdir("/dev/shm"))
+    clean_stale_shared_memory()
+    return {"removed": before - len(os.listdir("/dev/shm"))}
+
+
 def main() -> int:
     cmd, arg = sys.argv[1], sys.argv[2]
-    if cmd == "write":
+    if cmd == "cleanup":
+        print(json.dumps(cleanup()), flush=True)
+    elif cmd == "write":
         print(json.dumps(write(json.loads(arg))), flush=True)
     else:
         read(Job.parse(arg))
@@ -100,4 +111,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(guarded(main))
