@@ -11,6 +11,7 @@ windows of 256 inside each chunk) or, strongest, the same with `item_shuffle_win
 (a full permutation inside each chunk: LitData has no shuffle across chunks); `max_cache_size`
 for the 10% condition. Ranks from WORLD_SIZE / GLOBAL_RANK / NNODES (no process group needed).
 Resume: each rank's StreamingDataLoader.state_dict(), loaded by the same rank.
+On the loopback S3 server (plain HTTP) obstore's client is allowed http (see read()).
 The PyPI version check at import is turned off (LITDATA_DISABLE_VERSION_CHECK=1): it is a
 network call to pypi.org, not part of reading data.
 """
@@ -60,6 +61,13 @@ def read(job: Job) -> None:
 
     emit("start", t=now())
     kw: dict = {}
+    if job.endpoint.startswith("http://"):
+        # The loopback server speaks plain HTTP (real S3 is HTTPS). LitData's boto3 path accepts
+        # it; its obstore chunk downloads use fixed client options without allow_http and fail
+        # with "BadScheme". Allowing http there is the only change made to LitData.
+        from litdata.streaming import downloader
+
+        downloader._OBSTORE_CLIENT_OPTIONS["allow_http"] = "true"
     if job.endpoint:
         kw["storage_options"] = {"endpoint_url": job.endpoint, "aws_access_key_id": "bench",
                                  "aws_secret_access_key": "bench", "region_name": "us-east-1"}

@@ -21,7 +21,7 @@ import json
 import os
 import sys
 
-from _common import Job, guarded, decode_jpeg, emit, load_state, now, run_epochs, source_rows, torchvision_or_placeholder
+from _common import Job, emit, guarded, load_state, now, run_epochs, source_rows, torchvision_or_placeholder
 
 COLUMNS = {
     "text": {"id": "int64", "label": "int64", "text": "str", "tokens": "ndarray:int32"},
@@ -52,33 +52,33 @@ def read(job: Job) -> None:
                        "MASTER_PORT": str(job.master_port)})
     if job.endpoint:
         os.environ["S3_ENDPOINT_URL"] = job.endpoint
-    import torch
+    from mosaic_rows import NOTE, Rows
+    from streaming import StreamingDataLoader
 
-    note = torchvision_or_placeholder()
-    if note:
-        emit("note", text=note)
-    from streaming import StreamingDataLoader, StreamingDataset
-
-    image = job.dataset == "image"
-
-    class Rows(StreamingDataset):
-        def get_item(self, idx: int):
-            row = super().get_item(idx)
-            if image:
-                return {"id": row["id"], "label": row["label"], "image": decode_jpeg(row["jpg"])}
-            return {"id": row["id"], "label": row["label"], "text": row["text"],
-                    "tokens": torch.from_numpy(row["tokens"].copy())}
-
+    if NOTE:
+        emit("note", text=NOTE)
     emit("start", t=now())
     kw = {}
     if job.shuffle == "strongest":
         kw["shuffle_algo"] = "naive"
     if job.cache_limit:
         kw["cache_limit"] = job.cache_limit
-    ds = Rows(remote=job.remote, local=job.local, shuffle=True, shuffle_seed=job.seed + 9176,
+    ds = Rows(image=job.dataset == "image", remote=job.remote, local=job.local, shuffle=True, shuffle_seed=job.seed + 9176,
               batch_size=job.batch, **kw)
+    if job.endpoint and job.workers:
+        # Forked workers inherit the parent's boto3 client (made to fetch index.json) and its
+        # keep-alive socket: processes then share one connection, and responses interleave
+        # (stalls of download_timeout, shards with another response's bytes: seen here). Workers
+        # from a fork server unpickle the dataset, which drops the client (Mosaic's
+        # __getstate__), so each has its own; the server imports streaming once, not per worker.
+        import multiprocessing
+
+        multiprocessing.set_forkserver_preload(["mosaic_rows"])
+        kw_loader = {"multiprocessing_context": "forkserver"}
+    else:
+        kw_loader = {}
     loader = StreamingDataLoader(ds, batch_size=job.batch, num_workers=job.workers,
-                                 persistent_workers=False, drop_last=False)
+                                 persistent_workers=False, drop_last=False, **kw_loader)
     if job.resume:
         loader.load_state_dict(load_state(job, rank=0))  # the docs: rank 0's state, loaded by every rank
 
