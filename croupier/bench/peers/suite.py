@@ -280,6 +280,7 @@ def run_system(ctx: Ctx, st: Any, system: str, ds: str, variant: str, n: int, ex
                 ids_before = np.asarray([i for evs in before for e in evs if e["ev"] == "batch" for i in e["ids"]])
                 ids_after = np.asarray([i for evs in after for e in evs if e["ev"] == "batch" for i in e["ids"]])
                 rec["kill_after_batches_per_rank"] = kill_after
+                rec["notes"] = _notes(before + after)
                 if expected is not None:
                     rec["resume"] = quality.resume_check(expected, ids_before, ids_after)
                 else:
@@ -294,6 +295,7 @@ def run_system(ctx: Ctx, st: Any, system: str, ds: str, variant: str, n: int, ex
                 rec["problems"] += problems
                 epochs_ = per_epoch(ranks, epochs)
                 rec["first_batch_s"] = first_batch_s(ranks)
+                rec["notes"] = _notes(ranks)
                 rec["epochs"] = [{k: v for k, v in e.items() if k != "batches"} for e in epochs_]
                 orders = [quality.global_order(e["batches"]) for e in epochs_]
                 rec["coverage"] = [quality.epoch_coverage(o, rows) for o in orders]
@@ -318,6 +320,11 @@ def run_system(ctx: Ctx, st: Any, system: str, ds: str, variant: str, n: int, ex
         rec["wall_s"] = time.perf_counter() - t_case
         shutil.rmtree(run_dir, ignore_errors=True)
     return rec
+
+
+def _notes(ranks: list[list[dict[str, Any]]]) -> list[str]:
+    """What the runners said about their set-up ({"ev": "note"}), once each."""
+    return sorted({e["text"] for evs in ranks for e in evs if e["ev"] == "note"})
 
 
 def _mosaic_cleanup(ctx: Ctx, rec: dict[str, Any]) -> None:
@@ -427,6 +434,7 @@ def run_peers(suite: PeersSuite, out: Path, data_dir: Path, command: str, say: C
                 say("    " + report.one_line(r))
     rep["uniform_reference"] = {ds: quality.uniform_reference(suite.rows(ds), suite.batch, suite.shard_rows(ds))
                                 for ds in suite.datasets}
+    rep["goal"] = report.goal(rep)
     rep["load"]["end"] = list(os.getloadavg())
     rep["wall_s"] = time.perf_counter() - t0
     (out / f"{suite.name}.json").write_text(json.dumps(rep, indent=1, default=str))
