@@ -136,12 +136,14 @@ class RankProc:
         return rc
 
     def kill(self) -> None:
+        """The rank's whole session: its DataLoader workers outlive a rank that was SIGKILLed."""
+        try:
+            os.killpg(self.proc.pid, 9)
+        except OSError:
+            pass  # nothing left in it
         if self.proc.poll() is None:
-            try:
-                os.killpg(self.proc.pid, 9)  # its own session: the rank and its DataLoader workers
-            except OSError:
-                self.proc.kill()
-            self.proc.wait(10)
+            self.proc.kill()
+        self.proc.wait(10)
         self._reader.join(10)
 
     def close(self) -> None:

@@ -274,6 +274,8 @@ def run_system(ctx: Ctx, st: Any, system: str, ds: str, variant: str, n: int, ex
                 states = [e for evs in before for e in evs if e["ev"] == "state"]
                 if len(states) != s.world:
                     rec["problems"].append(f"only {len(states)} of {s.world} ranks checkpointed before the kill")
+                if system == "mosaic":  # its docs: clean_stale_shared_memory() after a crash, before restarting
+                    _mosaic_cleanup(ctx, rec)
                 jobs = [{**j, "kill_after": 0, "resume": True} for j in jobs]
                 after, problems = run_ranks(python, SCRIPTS[system], jobs, env, ctx.log, s.timeout_s, watch)
                 rec["problems"] += [f"resumed run: {p}" for p in problems]
