@@ -264,6 +264,8 @@ def run_system(ctx: Ctx, st: Any, system: str, ds: str, variant: str, n: int, ex
             watch.roots.append(server.pid)
         python = ctx.pythons[system]
         jobs = [asdict(replace(job, rank=r)) for r in range(s.world)]
+        # A thrashing cache is cut per epoch once a batch comes; one that brings none is stopped here.
+        timeout = min(s.timeout_s, epochs * s.cache10_epoch_s + 180) if variant == "cache10" else s.timeout_s
         with watch:
             if variant == "resume":
                 kill_after = max(1, int(batches_per_rank * s.kill_fraction))
@@ -291,9 +293,9 @@ def run_system(ctx: Ctx, st: Any, system: str, ds: str, variant: str, n: int, ex
             else:
                 if system == "tfdata":  # a dispatcher and workers beside the ranks, in a loopback-only namespace
                     jobs = [{**j, "extra": {"run": run_dir.name, "rows": rows}} for j in jobs]
-                    ranks, problems = run_group(python, SCRIPTS[system], jobs, env, ctx.log, s.timeout_s, watch)
+                    ranks, problems = run_group(python, SCRIPTS[system], jobs, env, ctx.log, timeout, watch)
                 else:
-                    ranks, problems = run_ranks(python, SCRIPTS[system], jobs, env, ctx.log, s.timeout_s, watch)
+                    ranks, problems = run_ranks(python, SCRIPTS[system], jobs, env, ctx.log, timeout, watch)
                 rec["problems"] += problems
                 epochs_ = per_epoch(ranks, epochs)
                 rec["first_batch_s"] = first_batch_s(ranks)
