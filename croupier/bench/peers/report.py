@@ -90,8 +90,12 @@ def plots(rep: dict[str, Any], out: Path, name: str) -> list[str]:
     made: list[str] = []
     panels = sorted({(r["condition"]["name"], r["dataset"]) for r in rep["cases"] if r["variant"] != "resume"})
     if panels:
-        fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4.5), squeeze=False)
-        for ax, (cond, ds) in zip(axes[0], panels):
+        cols = min(2, len(panels))
+        nrows = -(-len(panels) // cols)
+        fig, axes = plt.subplots(nrows, cols, figsize=(7 * cols, 5 * nrows), squeeze=False)
+        for ax in axes.flat[len(panels):]:
+            ax.axis("off")
+        for ax, (cond, ds) in zip(axes.flat, panels):
             rows = [r for r in rep["cases"] if r["condition"]["name"] == cond and r["dataset"] == ds
                     and r["variant"] != "resume"]
             labels = [f"{r['label']}\n{VARIANT_NAMES[r['variant']]}" for r in rows]
