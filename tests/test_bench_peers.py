@@ -164,3 +164,19 @@ def test_croupier_mosaic_and_litdata_run_side_by_side_on_the_latency_fs(tmp_path
     assert rep["versions"]["mosaic"]["mosaicml-streaming"] == "0.13.0"
     md = (tmp_path / "out" / "peers-test.md").read_text()
     assert "Mosaic Streaming" in md and "LitData" in md and "mid-epoch resume" in md
+
+
+def test_the_goal_compares_croupier_with_the_uniform_peers_any_peer_and_the_small_cache() -> None:
+    from croupier.bench.peers import report
+
+    def row(system, variant, rate, uniform):
+        return {"system": system, "label": system, "variant": variant, "dataset": "text",
+                "condition": {"name": "fs"}, "epochs": [{"samples_per_s": rate, "complete": True}],
+                "quality": {"uniform": uniform}, "peak_local_disk_mb": 1.0}
+
+    rep = {"cases": [row("croupier", "default", 100.0, True), row("mosaic", "default", 90.0, True),
+                     row("litdata", "default", 150.0, False), row("mosaic", "cache10", 10.0, True)]}
+    g = {x["against"]: x for x in report.goal(rep)}
+    assert (g["uniform peers"]["peer_rate"], g["uniform peers"]["met"]) == (90.0, True)
+    assert (g["any peer"]["peer_rate"], g["any peer"]["met"], g["any peer"]["peer_uniform"]) == (150.0, False, False)
+    assert g["10% cache"]["ratio"] == pytest.approx(10.0)
