@@ -2,7 +2,6 @@
 
     python run_mosaic.py write '{"dataset": "text", "source": ..., "out": ..., "shard_bytes": ...}'
     python run_mosaic.py read '<Job as JSON>'
-    python run_mosaic.py cleanup '{}'      (after each case: a killed trainer leaves shared memory)
 
 Set up as its documentation recommends for remote data: `remote` = the shards on the slow
 storage (a folder on the latency FS, or s3:// with S3_ENDPOINT_URL pointing at the loopback
@@ -89,21 +88,9 @@ def read(job: Job) -> None:
     run_epochs(job, epoch, loader.state_dict)
 
 
-def cleanup() -> dict:
-    """Unlink the shared memory a killed run leaves in /dev/shm (Mosaic's own clean-up call)."""
-    torchvision_or_placeholder()
-    from streaming.base.util import clean_stale_shared_memory
-
-    before = len(os.listdir("/dev/shm"))
-    clean_stale_shared_memory()
-    return {"removed": before - len(os.listdir("/dev/shm"))}
-
-
 def main() -> int:
     cmd, arg = sys.argv[1], sys.argv[2]
-    if cmd == "cleanup":
-        print(json.dumps(cleanup()), flush=True)
-    elif cmd == "write":
+    if cmd == "write":
         print(json.dumps(write(json.loads(arg))), flush=True)
     else:
         read(Job.parse(arg))
