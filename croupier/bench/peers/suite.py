@@ -57,7 +57,8 @@ SHUFFLE = {
     ("litdata", "strongest"): "shuffle=True, item_shuffle_window='full': a full permutation inside each chunk "
                               "(LitData has no shuffle across chunks)",
     ("tfdata", "default"): "files shuffled + the user's shuffle buffer of 1,000, on the service's workers",
-    ("tfdata", "strongest"): "file shuffle + shuffle buffer the size of the dataset",
+    ("tfdata", "strongest"): "files shuffled + a shuffle buffer the size of the dataset, on each service worker "
+                             "(each shuffles only the files the dispatcher hands it)",
     ("torchdata", "default"): "DistributedSampler (global permutation) + ParallelMapper(in_order=False)",
 }
 
