@@ -5,6 +5,8 @@
     croupier bench --quick          # a one-minute smoke run on tiny data
     croupier bench --suite real     # really slow storage: a latency FUSE mount and a loopback S3 server
     croupier bench --suite real --quick   # its smoke run (seconds, tiny data) -> real-quick.md / .json
+    croupier bench --suite peers    # beside Mosaic Streaming, LitData, tf.data service, torchdata (own venvs)
+    croupier bench --suite peers --quick  # its smoke run (a couple of minutes) -> peers-quick.md / .json
 
 Writes `<suite>.json`, `<suite>.md` and `<suite>-*.png` under `--out`
 (default benchmarks/results), printing progress as it goes.
@@ -26,7 +28,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--suite", choices=sorted([*SUITES, "reliability"]), default="full",
                    help="what to run (default full; reliability: the fuzz and fault report, ~5 min)")
     p.add_argument("--quick", action="store_true",
-                   help="same as --suite quick; with --suite real, its smoke run (--suite real-quick)")
+                   help="same as --suite quick; with --suite real or peers, its smoke run (real-quick, peers-quick)")
     p.add_argument("--out", default="benchmarks/results", help="folder for the JSON, Markdown and PNGs")
     p.add_argument("--data-dir", help="where the generated data lives (default ~/.cache/croupier/bench-data/...)")
     p.add_argument("--only", default="", help="run only the cases whose 'dataset | storage | system' contains this "
@@ -54,11 +56,16 @@ def cmd_bench(args: argparse.Namespace) -> int:
                         say=lambda s: print(s, flush=True))
         return 0
     if args.quick:
-        name = "real-quick" if args.suite.startswith("real") else "quick"
+        name = next((f"{k}-quick" for k in ("real", "peers") if args.suite.startswith(k)), "quick")
     suite = SUITES[name]()
     data_dir = Path(args.data_dir) if args.data_dir else default_data_dir(name)
+    from .peers.suite import PeersSuite, run_peers
     from .real import RealSuite, run_real
 
+    if isinstance(suite, PeersSuite):
+        report = run_peers(suite, Path(args.out), data_dir, command or f"croupier bench --suite {name}",
+                           say=lambda s: print(s, flush=True), only=args.only)
+        return 1 if not report["cases"] else 0
     if isinstance(suite, RealSuite):
         report = run_real(suite, Path(args.out), data_dir, command or f"croupier bench --suite {name}",
                           say=lambda s: print(s, flush=True), only=args.only)

@@ -6,6 +6,8 @@
 * quick: a one-minute smoke run on tiny data (used by the tests).
 * real: every system reading the same files through really slow storage (a latency
   FUSE mount, a loopback S3 server): see real.py; real-quick is its smoke run.
+* peers: croupier beside Mosaic Streaming, LitData, tf.data service and torchdata on that
+  storage, each peer in its own venv (see peers/); peers-quick is its smoke run.
 """
 
 from __future__ import annotations
@@ -123,4 +125,17 @@ def _real_quick():
     return real_quick()
 
 
-SUITES = {"full": full, "first": first, "quick": quick, "real": _real, "real-quick": _real_quick}
+def _peers():
+    from .peers.suite import full as peers_full
+
+    return peers_full()
+
+
+def _peers_quick():
+    from .peers.suite import quick as peers_quick
+
+    return peers_quick()
+
+
+SUITES = {"full": full, "first": first, "quick": quick, "real": _real, "real-quick": _real_quick,
+          "peers": _peers, "peers-quick": _peers_quick}

@@ -1,0 +1,249 @@
+"""One case: a system's ranks (one runner process each) over one storage condition, watched.
+
+The harness starts the ranks at once, reads their JSON lines (runners/_common.py), and polls
+every `period` seconds what the issue asks of the trainer's machine: the bytes under the
+local cache folder (peak local disk) and the resident memory of every process the system
+runs there (ranks, their DataLoader workers, a croupier server: peak RSS, summed).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import threading
+import time
+from dataclasses import asdict, replace
+from pathlib import Path
+from typing import Any
+
+RUNNERS = Path(__file__).parent / "runners"
+
+
+def dir_bytes(path: str | os.PathLike) -> int:
+    """Bytes of the files under `path` (what the cache holds on disk now); 0 if absent."""
+    total = 0
+    stack = [str(path)]
+    while stack:
+        try:
+            with os.scandir(stack.pop()) as it:
+                for e in it:
+                    try:
+                        if e.is_dir(follow_symlinks=False):
+                            stack.append(e.path)
+                        elif e.is_file(follow_symlinks=False):
+                            total += e.stat(follow_symlinks=False).st_blocks * 512
+                    except OSError:
+                        continue  # evicted meanwhile
+        except OSError:
+            continue
+    return total
+
+
+def tree_pids(root: int) -> list[int]:
+    """`root` and its descendants (over every thread's children)."""
+    out, stack = [], [root]
+    while stack:
+        pid = stack.pop()
+        out.append(pid)
+        try:
+            for task in os.scandir(f"/proc/{pid}/task"):
+                try:
+                    with open(f"{task.path}/children") as f:
+                        stack += [int(c) for c in f.read().split()]
+                except OSError:
+                    continue
+        except OSError:
+            continue
+    return out
+
+
+def rss_mb(pid: int) -> float:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return 0.0
+
+
+class Watcher:
+    """Peak local disk of the cache folders and peak summed RSS of the process trees."""
+
+    def __init__(self, folders: list[str], period: float = 0.1):
+        self.folders, self.period = folders, period
+        self.roots: list[int] = []
+        self.peak_disk = 0
+        self.peak_rss = 0.0
+        self.samples = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="peers-watcher", daemon=True)
+
+    def _sample(self) -> None:
+        self.peak_disk = max(self.peak_disk, sum(dir_bytes(f) for f in self.folders))
+        pids = {p for r in list(self.roots) for p in tree_pids(r)}
+        self.peak_rss = max(self.peak_rss, sum(rss_mb(p) for p in pids))
+        self.samples += 1
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.period):
+            self._sample()
+
+    def __enter__(self) -> "Watcher":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stop.set()
+        self._thread.join(10)
+
+
+class RankProc:
+    """One runner process; its stdout lines parsed on a thread as they come."""
+
+    def __init__(self, python: str, script: str, job: dict[str, Any] | list[dict[str, Any]], env: dict[str, str],
+                 log: Path, prefix: tuple[str, ...] = (), command: str = "read"):
+        self.events: list[dict[str, Any]] = []
+        self._log = open(log, "a")
+        self._log.write(f"\n=== {script} {command}: {json.dumps(job)[:400]}\n")
+        self._log.flush()
+        self.proc = subprocess.Popen([*prefix, python, str(RUNNERS / script), command, json.dumps(job)], cwd=str(RUNNERS),
+                                     stdout=subprocess.PIPE, stderr=self._log, text=True, env=env,
+                                     start_new_session=True)
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            line = line.strip()
+            if line.startswith("{"):
+                try:
+                    self.events.append(json.loads(line))
+                except ValueError:
+                    self._log.write(f"(unparsed) {line[:200]}\n")
+            elif line:
+                self._log.write(line + "\n")
+
+    def wait(self, deadline: float) -> int | None:
+        try:
+            rc = self.proc.wait(max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            return None
+        self._reader.join(10)
+        return rc
+
+    def kill(self) -> None:
+        """The rank's whole session: its DataLoader workers outlive a rank that was SIGKILLed."""
+        try:
+            os.killpg(self.proc.pid, 9)
+        except OSError:
+            pass  # nothing left in it
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(10)
+        self._reader.join(10)
+
+    def close(self) -> None:
+        self._log.close()
+
+
+def run_ranks(python: str, script: str, jobs: list[dict[str, Any]], env: dict[str, str], log: Path,
+              timeout: float, watch: Watcher, expect_kill: bool = False) -> tuple[list[list[dict[str, Any]]], list[str]]:
+    """Every rank at once; returns each rank's events and the problems seen (a rank that failed,
+    ran past `timeout`, or was killed when no kill was asked for)."""
+    procs = [RankProc(python, script, j, env, log) for j in jobs]
+    watch.roots += [p.proc.pid for p in procs]
+    deadline = time.monotonic() + timeout
+    problems: list[str] = []
+    try:
+        for r, p in enumerate(procs):
+            rc = p.wait(deadline)
+            if rc is None:
+                problems.append(f"rank {r} ran past {timeout:.0f} s and was killed")
+                for q in procs:
+                    q.kill()
+                break
+            if rc != 0 and not (expect_kill and rc == -9):
+                said = "; ".join(e["text"] for e in p.events if e["ev"] == "error")
+                problems.append(f"rank {r} exited with {rc}" + (f": {said}" if said else f"; see {log}"))
+    finally:
+        for p in procs:
+            p.kill()
+            p.close()
+    return [p.events for p in procs], problems
+
+
+def run_group(python: str, script: str, jobs: list[dict[str, Any]], env: dict[str, str], log: Path,
+              timeout: float, watch: Watcher) -> tuple[list[list[dict[str, Any]]], list[str]]:
+    """Every rank under one `group` process in a network namespace with only loopback (the
+    tf.data service's servers bind every interface); its lines carry "rank"."""
+    import shutil
+
+    if shutil.which("unshare") is None or shutil.which("ip") is None:
+        raise RuntimeError("needs `unshare` and `ip` (util-linux, iproute2) to keep its servers on loopback")
+    proc = RankProc(python, script, jobs, env, log, prefix=("unshare", "--net"), command="group")
+    watch.roots.append(proc.proc.pid)
+    problems: list[str] = []
+    try:
+        rc = proc.wait(time.monotonic() + timeout)
+        if rc is None:
+            problems.append(f"ran past {timeout:.0f} s and was killed")
+        elif rc != 0:
+            said = "; ".join(e["text"] for e in proc.events if e["ev"] == "error")
+            problems.append(f"exited with {rc}" + (f": {said}" if said else f"; see {log}"))
+    finally:
+        proc.kill()
+        proc.close()
+    ranks = [[e for e in proc.events if e.get("rank") == j["rank"]] for j in jobs]
+    return ranks, problems
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# ---- figures from the events ------------------------------------------------------------------
+
+def per_epoch(ranks: list[list[dict[str, Any]]], epochs: int) -> list[dict[str, Any]]:
+    """Per epoch: samples, wall seconds (from the first rank's start of the epoch to the last
+    batch of any rank), samples/s, and each rank's batches (ids)."""
+    out = []
+    starts = [next((e["t"] for e in evs if e["ev"] == "start"), None) for evs in ranks]
+    for epoch in range(epochs):
+        batches = [[e for e in evs if e["ev"] == "batch" and e["epoch"] == epoch] for evs in ranks]
+        if epoch == 0:
+            begin = [s for s in starts if s is not None]
+        else:
+            begin = [e["t"] for evs in ranks for e in evs if e["ev"] == "epoch_end" and e["epoch"] == epoch - 1]
+        last = [b[-1]["t"] for b in batches if b]
+        samples = sum(len(x["ids"]) for b in batches for x in b)
+        wall = (max(last) - min(begin)) if last and begin else float("nan")
+        out.append({"epoch": epoch, "samples": samples, "wall_s": wall,
+                    "samples_per_s": samples / wall if wall and wall == wall and wall > 0 else float("nan"),
+                    "batches": [[x["ids"] for x in b] for b in batches],
+                    "complete": all(any(e["ev"] == "epoch_end" and e["epoch"] == epoch and not e.get("cut") for e in evs)
+                                    for evs in ranks),
+                    "cut": any(e["ev"] == "epoch_end" and e["epoch"] == epoch and e.get("cut") for evs in ranks for e in evs)})
+    return out
+
+
+def first_batch_s(ranks: list[list[dict[str, Any]]]) -> float:
+    """The slowest rank's wait from building its loader to its first batch."""
+    waits = []
+    for evs in ranks:
+        start = next((e["t"] for e in evs if e["ev"] == "start"), None)
+        first = next((e["t"] for e in evs if e["ev"] == "batch"), None)
+        if start is not None and first is not None:
+            waits.append(first - start)
+    return max(waits) if waits else float("nan")
+
+
+def job_dict(job: Any, **changes: Any) -> dict[str, Any]:
+    return asdict(replace(job, **changes))

@@ -1,0 +1,476 @@
+"""`croupier bench --suite peers`: croupier beside Mosaic Streaming, LitData, tf.data service and
+torchdata.nodes, on the same rows and the same really slow storage (issue 12).
+
+What runs, per storage condition (the latency FS at 5 ms, the loopback S3 server at 20 ms), per
+dataset (text rows, JPEG images), per system, at `world` ranks and batch `batch`:
+
+* default: the system as its documentation sets it up for remote data, `epochs` epochs from a
+  fresh local cache: samples/s at the trainer per epoch (epoch 1 cold), time to first batch,
+  peak local disk, peak RSS, the delivered order's shuffle quality;
+* strongest: the peer's best-quality shuffle (Mosaic `naive`, LitData's full shuffle, tf.data
+  a shuffle buffer the size of the dataset); croupier and torchdata have one shuffle, global;
+* cache10: the local cache limited to 10% of the dataset's bytes (Mosaic `cache_limit`,
+  LitData `max_cache_size`): a dataset larger than the trainer's disk. croupier keeps no local
+  cache, so its row there is its default run;
+* resume: the trainer killed (SIGKILL, every rank) after a third of the first epoch, right
+  after a checkpoint of the system's own state_dict, then resumed from it: ids lost and
+  repeated against the uninterrupted epoch.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import re
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..datagen import BenchData, DataSpec, ensure_data, text_table
+from ..real import Condition, latency_fs, open_storage, s3
+from . import quality, venvs
+from .case import Watcher, first_batch_s, free_port, per_epoch, run_group, run_ranks
+from .runners._common import Job
+
+#: Runner script per system (runners/), and the venv it runs in (None: croupier's own).
+SCRIPTS = {"croupier": "run_croupier.py", "mosaic": "run_mosaic.py", "litdata": "run_litdata.py",
+           "tfdata": "run_tfdata.py", "torchdata": "run_torchdata.py"}
+LABELS = {"croupier": "croupier (unordered)", "mosaic": "Mosaic Streaming", "litdata": "LitData",
+          "tfdata": "tf.data service", "torchdata": "torchdata.nodes"}
+#: Variants each system has (croupier's cache10 is its default row: it caches nothing locally).
+VARIANTS = {"croupier": ("default", "resume"), "mosaic": ("default", "strongest", "cache10", "resume"),
+            "litdata": ("default", "strongest", "cache10", "resume"), "tfdata": ("default", "strongest"),
+            "torchdata": ("default", "resume")}
+SHUFFLE = {
+    ("croupier", "default"): "global permutation per epoch (the plan), batches out of order",
+    ("mosaic", "default"): "py1e (default): shuffle blocks of 262,144 samples per canonical node",
+    ("mosaic", "strongest"): "naive: a global permutation of the samples",
+    ("litdata", "default"): "shuffle=True (FullShuffle): chunks permuted, samples shuffled in windows of 256 inside a chunk",
+    ("litdata", "strongest"): "shuffle=True, item_shuffle_window='full': a full permutation inside each chunk "
+                              "(LitData has no shuffle across chunks)",
+    ("tfdata", "default"): "files shuffled + the user's shuffle buffer of 1,000, on the service's workers",
+    ("tfdata", "strongest"): "files shuffled + a shuffle buffer the size of the dataset, on each service worker "
+                             "(each shuffles only the files the dispatcher hands it)",
+    ("torchdata", "default"): "DistributedSampler (global permutation) + ParallelMapper(in_order=False)",
+}
+
+
+#: Cases a peer cannot run here, and why (system, storage, dataset or "*").
+NOT_RUN = {
+    ("tfdata", "s3", "*"): "TensorFlow 2.21 has no s3:// file system (it moved to tensorflow-io, not set up here)",
+    ("torchdata", "s3", "text"): "rows of the Arrow files on S3 need ranged reads with an index; torchdata has "
+                                 "no writer or index of its own (images on S3 are run: one GET per file)",
+}
+#: What a resume cell says for a system that has no resume case.
+NO_RESUME = {"tfdata": "none: a tf.data service iterator cannot be checkpointed"}
+
+
+@dataclass(frozen=True)
+class PeersSuite:
+    name: str
+    data: DataSpec
+    systems: tuple[str, ...] = ("croupier", "mosaic", "litdata", "tfdata", "torchdata")
+    conditions: tuple[Condition, ...] = (latency_fs(5.0), s3(20.0))
+    datasets: tuple[str, ...] = ("text", "image")
+    world: int = 2
+    batch: int = 64
+    epochs: int = 2
+    #: DataLoader workers per rank (peers that have them): 2 on this 2-core machine.
+    workers: int = 2
+    #: Shards (chunks) each peer writes per dataset: the 10% cache then holds 5 of them,
+    #: above Mosaic's floor of 4 of its largest.
+    shards: int = 50
+    cache_fraction: float = 0.10
+    #: Kill the trainer after this fraction of the first epoch's batches (resume variant).
+    kill_fraction: float = 1 / 3
+    #: Per run of a system's ranks.
+    timeout_s: float = 600.0
+    #: A peer thrashing its 10% cache can take many minutes an epoch: its epoch is cut after this
+    #: long, and reported as the rate of the part it ran (its later epochs are then not run).
+    cache10_epoch_s: float = 60.0
+    seed: int = 0
+    variants: tuple[str, ...] = ("default", "strongest", "cache10", "resume")
+
+    def rows(self, ds: str) -> int:
+        return self.data.text_rows if ds == "text" else self.data.images
+
+    def shard_rows(self, ds: str) -> int:
+        return max(1, -(-self.rows(ds) // self.shards))
+
+
+def full() -> PeersSuite:
+    """The issue's run: modest sizes so that every system, condition and variant fits in ~30 min on 2 cores
+    (the full matrix took 24 min on 1,280 rows and 256 images, 10 of them a stalled case)."""
+    return PeersSuite(name="peers", data=DataSpec(text_rows=24_000, images=6_000, shard_size=1_000))
+
+
+def quick() -> PeersSuite:
+    """A few minutes on tiny data: croupier, Mosaic and LitData, text on the latency FS (the smoke run)."""
+    return PeersSuite(name="peers-quick", data=DataSpec(text_rows=3_200, images=640, shard_size=100),
+                      systems=("croupier", "mosaic", "litdata"), conditions=(latency_fs(5.0),), datasets=("text",),
+                      workers=1, timeout_s=180.0, cache10_epoch_s=15.0)
+
+
+def resized(suite: PeersSuite, text_rows: int | None = None, images: int | None = None) -> PeersSuite:
+    """The same suite on other data sizes (`--text-rows`, `--images`: the full matrix on tiny data, to check it runs)."""
+    data = replace(suite.data, text_rows=text_rows or suite.data.text_rows, images=images or suite.data.images)
+    if data == suite.data:
+        return suite
+    return replace(suite, name=f"{suite.name}-{data.text_rows}-rows-{data.images}-images", data=data)
+
+
+# ---- the peers' shards ----------------------------------------------------------------------
+
+def export_source(data: BenchData, spec: DataSpec) -> Path:
+    """The text rows as JSON lines for the writers in the peers' venvs (no pyarrow there);
+    images are read from the WebDataset tar shards datagen wrote."""
+    out = data.root / "peers" / "source"
+    stamp = out / "spec.json"
+    if stamp.is_file() and stamp.read_text() == spec.stamp():
+        return out
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / "text.jsonl.tmp", "w") as f:
+        for row in text_table(spec).to_pylist():
+            f.write(json.dumps(row) + "\n")
+    os.replace(out / "text.jsonl.tmp", out / "text.jsonl")
+    stamp.write_text(spec.stamp())
+    return out
+
+
+def row_bytes(data: BenchData, ds: str, rows: int) -> float:
+    """Mean bytes of a row's payload (to size Mosaic's shards by bytes)."""
+    if ds == "text":
+        return os.path.getsize(data.root / "peers" / "source" / "text.jsonl") / rows * 0.75  # JSON's digits vs int32
+    return sum(f.stat().st_size for f in data.imagefolder.rglob("*.jpg")) / rows
+
+
+def write_shards(suite: PeersSuite, system: str, python: Path, data: BenchData, ds: str, log: Path,
+                 say: Callable[[str], None]) -> dict[str, Any]:
+    """The peer's own writer over the source rows, into data.root/peers/<system>-<ds> (the latency
+    FS and the S3 bucket serve that folder); kept while its stamp matches."""
+    import subprocess
+
+    out = data.root / "peers" / f"{system}-{ds}"
+    args = {"dataset": ds, "source": str(data.root / "peers" / "source" if ds == "text" else data.shards),
+            "out": str(out), "shard_rows": suite.shard_rows(ds),
+            "shard_bytes": int(row_bytes(data, ds, suite.rows(ds)) * suite.shard_rows(ds) * 1.02) + 1024}
+    stamp = data.root / "peers" / f"{system}-{ds}.json"
+    want = json.dumps({"args": args, "spec": suite.data.stamp(), "venv": venvs.PEERS[system].stamp()})
+    if stamp.is_file() and json.loads(stamp.read_text()).get("want") == want and out.is_dir():
+        return json.loads(stamp.read_text())["written"]
+    shutil.rmtree(out, ignore_errors=True)
+    t = time.perf_counter()
+    with open(log, "a") as f:
+        r = subprocess.run([str(python), str(Path(__file__).parent / "runners" / SCRIPTS[system]), "write",
+                            json.dumps(args)], cwd=str(Path(__file__).parent / "runners"), stdout=subprocess.PIPE,
+                           stderr=f, text=True, timeout=1800)
+    lines = [x for x in r.stdout.splitlines() if x.startswith("{")]
+    if r.returncode != 0 or not lines:
+        raise RuntimeError(f"{system}'s writer failed on {ds} ({r.returncode}); see {log}")
+    written = {**json.loads(lines[-1]), "seconds": time.perf_counter() - t,
+               "bytes": sum(f.stat().st_size for f in out.rglob("*") if f.is_file())}
+    stamp.write_text(json.dumps({"want": want, "written": written}))
+    say(f"  {system} wrote {ds}: {written}")
+    return written
+
+
+# ---- one case ------------------------------------------------------------------------------------
+
+@dataclass
+class Ctx:
+    suite: PeersSuite
+    data: BenchData
+    work: Path
+    log: Path
+    say: Callable[[str], None]
+    pythons: dict[str, str] = field(default_factory=dict)
+    written: dict[tuple[str, str], dict[str, Any]] = field(default_factory=dict)
+
+
+#: Systems that read the benchmark's own files (the save_to_disk folder, the ImageFolder tree): no writer.
+OWN_FILES = ("croupier", "torchdata")
+
+
+def _remote(st: Any, system: str, ds: str) -> str:
+    if system in OWN_FILES:
+        return st.croupier_path("text" if ds == "text" else "imagefolder")
+    sub = f"peers/{system}-{ds}"
+    if st.condition.key == "s3":
+        from ..real import BUCKET
+
+        return f"s3://{BUCKET}/{sub}"
+    return str(Path(st.fs.path) / sub)
+
+
+def _evict(st: Any, system: str, ds: str) -> None:
+    """Cold storage before every run: the latency FS drops the files' cached pages."""
+    if st.condition.key != "fuse":
+        return
+    if system in OWN_FILES:
+        st.before_case("text" if ds == "text" else "imagefolder")
+    else:
+        st.fs.evict([Path(st.fs.path) / "peers" / f"{system}-{ds}"])
+
+
+def image_ids(data: BenchData) -> list[int]:
+    """croupier's ImageFolder index -> the image's id (its file name), in croupier's listing order."""
+    from ..baselines import list_imagefolder
+
+    files, _ = list_imagefolder(data.imagefolder)
+    return [int(Path(f).stem) for f in files]
+
+
+def run_system(ctx: Ctx, st: Any, system: str, ds: str, variant: str, n: int, expected: np.ndarray | None) -> dict[str, Any]:
+    s = ctx.suite
+    run_dir = ctx.work / f"{system}-{ds}-{variant}-{st.condition.key}-{n}"
+    local = run_dir / "cache"
+    run_dir.mkdir(parents=True)
+    total_bytes = ctx.written.get((system, ds), {}).get("bytes", 0)
+    epochs = 1 if variant == "resume" else s.epochs
+    rows = s.rows(ds)
+    batches_per_rank = -(-rows // (s.batch * s.world))
+    job = Job(system=system, dataset=ds, remote=_remote(st, system, ds), local=str(local), world=s.world,
+              batch=s.batch, epochs=epochs, workers=s.workers, shuffle="strongest" if variant == "strongest" else "default",
+              cache_limit=int(total_bytes * s.cache_fraction) if variant == "cache10" else 0,
+              state_path=str(run_dir / "state.json"), seed=s.seed,
+              max_epoch_s=s.cache10_epoch_s if variant == "cache10" else 0.0,
+              endpoint=getattr(getattr(st, "server", None), "endpoint", "") if st.condition.key == "s3" else "",
+              master_port=free_port())
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONDONTWRITEBYTECODE": "1"}
+    rec: dict[str, Any] = {"system": system, "label": LABELS[system], "dataset": ds, "variant": variant,
+                           "condition": asdict(st.condition), "shuffle": SHUFFLE.get((system, "strongest" if variant == "strongest" else "default"), ""),
+                           "cache_limit_bytes": job.cache_limit, "dataset_bytes_on_storage": total_bytes,
+                           "problems": []}
+    server = None
+    watch = Watcher([str(local)])
+    t_case = time.perf_counter()
+    shm_before = _mosaic_shm()
+    _evict(st, system, ds)
+    st.reset()
+    try:
+        if system == "croupier":
+            from ..cases import ServerProcess
+
+            name = "text" if ds == "text" else "imagefolder"
+            t = time.perf_counter()
+            server = ServerProcess([f"{name}={_remote(st, system, ds)}"], [], ctx.log)
+            rec["server_start_s"] = time.perf_counter() - t
+            job = replace(job, extra={"address": server.address, "dataset": name,
+                                      "ids": image_ids(ctx.data) if ds == "image" else []})
+            watch.roots.append(server.pid)
+        python = ctx.pythons[system]
+        jobs = [asdict(replace(job, rank=r)) for r in range(s.world)]
+        # A thrashing cache is cut per epoch once a batch comes; one that brings none is stopped here.
+        timeout = min(s.timeout_s, epochs * s.cache10_epoch_s + 180) if variant == "cache10" else s.timeout_s
+        with watch:
+            if variant == "resume":
+                kill_after = max(1, int(batches_per_rank * s.kill_fraction))
+                jobs = [{**j, "kill_after": kill_after} for j in jobs]
+                before, problems = run_ranks(python, SCRIPTS[system], jobs, env, ctx.log, s.timeout_s, watch,
+                                             expect_kill=True)
+                rec["problems"] += [f"killed run: {p}" for p in problems]
+                states = [e for evs in before for e in evs if e["ev"] == "state"]
+                if len(states) != s.world:
+                    rec["problems"].append(f"only {len(states)} of {s.world} ranks checkpointed before the kill")
+                if system == "mosaic":  # its docs: clean_stale_shared_memory() after a crash, before restarting
+                    _mosaic_cleanup(ctx, rec, shm_before)
+                jobs = [{**j, "kill_after": 0, "resume": True} for j in jobs]
+                after, problems = run_ranks(python, SCRIPTS[system], jobs, env, ctx.log, s.timeout_s, watch)
+                rec["problems"] += [f"resumed run: {p}" for p in problems]
+                ids_before = np.asarray([i for evs in before for e in evs if e["ev"] == "batch" for i in e["ids"]])
+                ids_after = np.asarray([i for evs in after for e in evs if e["ev"] == "batch" for i in e["ids"]])
+                rec["kill_after_batches_per_rank"] = kill_after
+                rec["notes"] = _notes(before + after)
+                if expected is not None:
+                    rec["resume"] = quality.resume_check(expected, ids_before, ids_after)
+                else:
+                    rec["problems"].append("no uninterrupted epoch to compare the resume with (its default run failed)")
+                rec["resume_first_batch_s"] = first_batch_s(after)
+            else:
+                if system == "tfdata":  # a dispatcher and workers beside the ranks, in a loopback-only namespace
+                    jobs = [{**j, "extra": {"run": run_dir.name, "rows": rows}} for j in jobs]
+                    ranks, problems = run_group(python, SCRIPTS[system], jobs, env, ctx.log, timeout, watch)
+                else:
+                    ranks, problems = run_ranks(python, SCRIPTS[system], jobs, env, ctx.log, timeout, watch)
+                rec["problems"] += problems
+                epochs_ = per_epoch(ranks, epochs)
+                rec["first_batch_s"] = first_batch_s(ranks)
+                rec["notes"] = _notes(ranks)
+                rec["epochs"] = [{k: v for k, v in e.items() if k != "batches"} for e in epochs_]
+                orders = [quality.global_order(e["batches"]) for e in epochs_]
+                rec["coverage"] = [quality.epoch_coverage(o, rows) for o in orders]
+                rec["order_epoch0"] = orders[0].tolist() if len(orders) and len(orders[0]) else []
+                if len(orders) and len(orders[0]) > 2 * s.batch and epochs_[0]["complete"]:
+                    rec["quality"] = quality.figures(orders[0], s.batch, s.shard_rows(ds),
+                                                     orders[1] if len(orders) > 1 else None)
+                rec["peak_rss_mb_ranks"] = [next((e.get("peak_rss_mb") for e in evs if e["ev"] == "end"), None)
+                                            for evs in ranks]
+            watch._sample()
+    finally:
+        if server is not None:
+            server.stop()
+        if system == "mosaic":
+            _mosaic_cleanup(ctx, rec, shm_before)
+        rec["peak_local_disk_mb"] = watch.peak_disk / 1e6
+        rec["peak_rss_mb"] = watch.peak_rss
+        rec["watch_samples"] = watch.samples
+        stats = st.stats()
+        if stats:
+            rec["storage"] = {k: stats[k] for k in ("requests", "bytes", "max_in_flight") if k in stats}
+        rec["wall_s"] = time.perf_counter() - t_case
+        shutil.rmtree(run_dir, ignore_errors=True)
+    return rec
+
+
+def _notes(ranks: list[list[dict[str, Any]]]) -> list[str]:
+    """What the runners said about their set-up ({"ev": "note"}), once each."""
+    return sorted({e["text"] for evs in ranks for e in evs if e["ev"] == "note"})
+
+
+#: The shared memory a Mosaic StreamingDataset makes, /dev/shm/<6-digit prefix>_<name>.
+_MOSAIC_SHM = re.compile(r"^\d{6}_(barrier|cache_usage|locals|next_epoch|shard_access_times|shard_states)$")
+
+
+def _mosaic_shm() -> set[str]:
+    try:
+        return {n for n in os.listdir("/dev/shm") if _MOSAIC_SHM.match(n)}
+    except OSError:
+        return set()
+
+
+def _mosaic_cleanup(ctx: Ctx, rec: dict[str, Any], before: set[str]) -> None:
+    """What Mosaic's clean_stale_shared_memory() does after a crash, for the entries this case made
+    (no process of the case is alive then): its own stops at the first prefix without a leak,
+    and leaves later prefixes behind."""
+    for name in sorted(_mosaic_shm() - before):
+        try:
+            os.unlink(f"/dev/shm/{name}")
+        except OSError as exc:
+            rec["problems"].append(f"Mosaic's shared memory {name} not removed: {exc}")
+
+
+# ---- the suite --------------------------------------------------------------------------------
+
+def _setup_systems(suite: PeersSuite, say: Callable[[str], None], rep: dict[str, Any]) -> dict[str, str]:
+    pythons: dict[str, str] = {"croupier": sys.executable} if "croupier" in suite.systems else {}
+    for name in suite.systems:
+        if name == "croupier":
+            import croupier
+
+            rep["versions"]["croupier"] = {"croupier": getattr(croupier, "__version__", "0.1.0"),
+                                           "revision": _git("rev-parse", "--short", "HEAD")}
+            continue
+        env = venvs.PEERS[name]
+        try:
+            pythons[name] = str(venvs.ensure(env, say))
+            rep["versions"][name] = venvs.versions(env)
+        except Exception as exc:  # a peer that cannot be installed is reported, the others run
+            rep["errors"].append(f"{name}: venv not made: {exc}")
+            say(f"  {name}: no venv: {exc}")
+    return pythons
+
+
+def run_peers(suite: PeersSuite, out: Path, data_dir: Path, command: str, say: Callable[[str], None] = print,
+              only: str = "") -> dict[str, Any]:
+    from .. import latencyfs
+    from ..run import code_state, machine
+    from . import report
+
+    t0 = time.perf_counter()
+    out.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix=f"croupier-bench-{suite.name}-", dir=str(Path.home() / ".cache")))
+    log = Path(tempfile.gettempdir()) / f"croupier-bench-{suite.name}-runs.log"  # kept: not a result
+    log.write_text("")
+    rep: dict[str, Any] = {
+        "suite": suite.name, "command": command, "machine": machine(), "code": code_state(),
+        "started": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "load": {"start": list(os.getloadavg())}, "data": asdict(suite.data), "world": suite.world,
+        "batch": suite.batch, "epochs": suite.epochs, "workers": suite.workers, "shards": suite.shards,
+        "cache_fraction": suite.cache_fraction, "versions": {}, "errors": [], "skipped": [], "cases": [],
+    }
+    data = ensure_data(data_dir, suite.data, log=say)
+    export_source(data, suite.data)
+    ctx = Ctx(suite, data, work, log, say)
+    ctx.pythons = _setup_systems(suite, say, rep)
+    for system in suite.systems:
+        if system in OWN_FILES or system not in ctx.pythons:
+            continue
+        for ds in suite.datasets:
+            try:
+                ctx.written[(system, ds)] = write_shards(suite, system, Path(ctx.pythons[system]), data, ds, log, say)
+            except Exception as exc:
+                rep["errors"].append(f"{system} {ds}: shards not written: {exc}")
+                say(f"  {system}: {exc}")
+    for ds in suite.datasets:
+        src = data.text if ds == "text" else data.imagefolder
+        for system in OWN_FILES:
+            if system in suite.systems:
+                ctx.written[(system, ds)] = {"bytes": sum(f.stat().st_size for f in src.rglob("*") if f.is_file())}
+    rep["written"] = {f"{k[0]} {k[1]}": v for k, v in ctx.written.items()}
+    fuse_reason = latencyfs.check_available()
+    plan = [(cond, ds, system, v) for cond in suite.conditions for ds in suite.datasets for system in suite.systems
+            for v in VARIANTS.get(system, ("default",)) if v in suite.variants]
+    plan = [p for p in plan if not only or only in f"{p[1]} | {p[0].name} | {p[2]} | {p[3]}"]
+    n = 0
+    for cond in suite.conditions:
+        todo = [p for p in plan if p[0] == cond]
+        if not todo:
+            continue
+        if cond.key == "fuse" and fuse_reason:
+            rep["skipped"].append(f"{cond.name}: latencyfs is unusable here: {fuse_reason}")
+            say(f"skipping {cond.name}: {fuse_reason}")
+            continue
+        with open_storage(cond, data) as st:
+            expected: dict[tuple[str, str], np.ndarray] = {}
+            for _, ds, system, variant in todo:
+                n += 1
+                what = f"{ds} | {cond.name} | {LABELS[system]} | {variant}"
+                if system not in ctx.pythons or (system, ds) not in ctx.written:
+                    rep["skipped"].append(f"{what}: not set up (see errors)")
+                    continue
+                why = NOT_RUN.get((system, cond.key, ds)) or NOT_RUN.get((system, cond.key, "*"))
+                if why:
+                    rep["skipped"].append(f"{what}: {why}")
+                    continue
+                say(f"[{n}/{len(plan)}] {what} ...")
+                try:
+                    r = run_system(ctx, st, system, ds, variant, n, expected.get((system, ds)))
+                except Exception as exc:  # one failed case is reported; the suite carries on
+                    rep["errors"].append(f"{what}: {exc}")
+                    say(f"    failed: {exc}")
+                    continue
+                if variant == "default" and r.get("order_epoch0"):
+                    expected[(system, ds)] = np.asarray(r["order_epoch0"])
+                r.pop("order_epoch0", None)
+                rep["cases"].append(r)
+                rep["errors"] += [f"{what}: {p}" for p in r["problems"]]
+                say("    " + report.one_line(r))
+    rep["uniform_reference"] = {ds: quality.uniform_reference(suite.rows(ds), suite.batch, suite.shard_rows(ds))
+                                for ds in suite.datasets}
+    rep["goal"] = report.goal(rep)
+    rep["load"]["end"] = list(os.getloadavg())
+    rep["wall_s"] = time.perf_counter() - t0
+    (out / f"{suite.name}.json").write_text(json.dumps(rep, indent=1, default=str))
+    made = report.plots(rep, out, suite.name)
+    (out / f"{suite.name}.md").write_text(report.markdown(rep, made))
+    shutil.rmtree(work, ignore_errors=True)
+    say(f"wrote {out / (suite.name + '.md')}, {out / (suite.name + '.json')} and {len(made)} plots "
+        f"in {rep['wall_s'] / 60:.1f} min")
+    return rep
+
+
+def _git(*args: str) -> str:
+    import subprocess
+
+    try:
+        return subprocess.run(["git", *args], capture_output=True, text=True, timeout=10).stdout.strip() or "unknown"
+    except (OSError, subprocess.TimeoutExpired):
+        return "unknown"

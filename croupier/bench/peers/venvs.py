@@ -1,0 +1,119 @@
+"""One virtual environment per peer loader, under ~/.cache/croupier/peer-venvs/<peer>.
+
+Pins conflict between the peers (mosaicml-streaming and datasets 5.x cannot share one), so
+each gets its own, made with the machine's python and filled from the package index pip is
+configured with. A peer that needs torch gets `torch==2.13.0` installed first, then the peer
+with the same pin on the command line: an unpinned torch would pull the CUDA builds, and a
+peer whose requirements refuse 2.13.0 fails to install, which is recorded, not worked around.
+The venv is reused while its stamp (the requirement list) matches; `versions()` is what
+`pip freeze` says of the key packages, written into the results.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+TORCH = "torch==2.13.0"
+ROOT = Path(os.environ.get("CROUPIER_PEER_VENVS", Path.home() / ".cache" / "croupier" / "peer-venvs"))
+
+
+@dataclass(frozen=True)
+class PeerEnv:
+    name: str
+    #: Requirements after torch (exact versions: the ones the package index offers today).
+    requirements: tuple[str, ...]
+    needs_torch: bool = True
+    #: Distributions whose versions the results record.
+    key_packages: tuple[str, ...] = ()
+
+    @property
+    def path(self) -> Path:
+        return ROOT / self.name
+
+    @property
+    def python(self) -> Path:
+        return self.path / "bin" / "python"
+
+    def stamp(self) -> str:
+        return json.dumps({"torch": TORCH if self.needs_torch else None, "requirements": self.requirements})
+
+
+PEERS: dict[str, PeerEnv] = {
+    "mosaic": PeerEnv("mosaic", ("mosaicml-streaming==0.13.0", "pillow"),
+                      key_packages=("mosaicml-streaming", "torch", "numpy", "boto3", "pillow")),
+    "litdata": PeerEnv("litdata", ("litdata==0.2.76", "pillow", "boto3"),
+                       key_packages=("litdata", "torch", "numpy", "boto3", "obstore", "pillow")),
+    "tfdata": PeerEnv("tfdata", ("tensorflow-cpu==2.21.0", "pillow"), needs_torch=False,
+                      key_packages=("tensorflow-cpu", "tensorflow", "numpy", "pillow")),
+    "torchdata": PeerEnv("torchdata", ("torchdata==0.11.0", "numpy", "pillow", "pyarrow", "boto3"),
+                         key_packages=("torchdata", "torch", "numpy", "pyarrow", "boto3", "pillow")),
+}
+
+
+class VenvError(RuntimeError):
+    pass
+
+
+def _pip(env: PeerEnv, *args: str, log: Path, timeout: float) -> None:
+    cmd = [str(env.python), "-m", "pip", "install", "-q", *args]
+    with open(log, "a") as f:
+        f.write(f"$ {' '.join(cmd)}\n")
+        f.flush()
+        r = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, timeout=timeout)
+    if r.returncode != 0:
+        tail = log.read_text()[-1500:]
+        raise VenvError(f"{env.name}: `pip install {' '.join(args)}` failed ({r.returncode}); see {log}:\n{tail}")
+
+
+def ensure(env: PeerEnv, say=print, timeout: float = 1800) -> Path:
+    """The peer's python, creating or repairing its venv first if needed."""
+    stamp_file = env.path / "croupier-peer.json"
+    if env.python.exists() and stamp_file.is_file() and stamp_file.read_text() == env.stamp():
+        return env.python
+    t0 = time.perf_counter()
+    say(f"creating the {env.name} venv at {env.path} (pip, a few minutes the first time)")
+    env.path.parent.mkdir(parents=True, exist_ok=True)
+    if not env.python.exists():
+        subprocess.run([sys.executable, "-m", "venv", str(env.path)], check=True, timeout=300)
+    log = env.path / "install.log"
+    if env.needs_torch:
+        _pip(env, TORCH, log=log, timeout=timeout)
+        _pip(env, TORCH, *env.requirements, log=log, timeout=timeout)  # the pin again: refuse any other torch
+    else:
+        _pip(env, *env.requirements, log=log, timeout=timeout)
+    stamp_file.write_text(env.stamp())
+    say(f"  {env.name} venv ready in {time.perf_counter() - t0:.0f} s")
+    return env.python
+
+
+def versions(env: PeerEnv) -> dict[str, str]:
+    """`pip freeze` of the venv, the key packages' lines (name -> version)."""
+    out = subprocess.run([str(env.python), "-m", "pip", "freeze", "--all"], capture_output=True, text=True,
+                         timeout=120).stdout
+    found: dict[str, str] = {}
+    want = {k.lower().replace("_", "-") for k in env.key_packages}
+    for line in out.splitlines():
+        name, sep, version = line.partition("==")
+        key = name.strip().lower().replace("_", "-")
+        if sep and key in want:
+            found[key] = version.strip()
+    found["python"] = subprocess.run([str(env.python), "-c", "import platform; print(platform.python_version())"],
+                                     capture_output=True, text=True, timeout=60).stdout.strip()
+    return found
+
+
+def status(name: str) -> str:
+    """"" when the peer's venv is ready, else why not (for tests that skip)."""
+    env = PEERS[name]
+    stamp_file = env.path / "croupier-peer.json"
+    if not env.python.exists():
+        return f"no venv at {env.path}"
+    if not stamp_file.is_file() or stamp_file.read_text() != env.stamp():
+        return f"the venv at {env.path} is incomplete or for other requirements"
+    return ""
