@@ -24,6 +24,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from croupier.client import Loader
+from croupier.client.rtp.teardown import destroy_process_group
 from croupier.client.wire import RETRYABLE, Connection
 from croupier.security import ClientSecurity
 from croupier.demo_model import batch_inputs, build_model
@@ -215,7 +216,7 @@ def train(opts: TrainOptions) -> Summary | None:
     try:
         return _train(opts, rank, world, device)
     finally:
-        dist.destroy_process_group()
+        destroy_process_group()  # croupier's: safe to exit after (see client/rtp/teardown.py)
 
 
 def _train(opts: TrainOptions, rank: int, world: int, device: torch.device) -> Summary | None:

@@ -32,7 +32,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from croupier.client import Loader
-from croupier.client.rtp import RotatedTensorParallel
+from croupier.client.rtp import RotatedTensorParallel, destroy_process_group
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpt_model import GPT, GPTConfig  # noqa: E402
@@ -179,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"train_gpt: {'stopped' if stopped else 'finished'} at step {step}; "
               f"checkpoint in {args.checkpoint_dir}", flush=True)
     log.close()
-    dist.destroy_process_group()
+    destroy_process_group()  # croupier's: safe to exit after (see client/rtp/teardown.py)
     return 0
 
 

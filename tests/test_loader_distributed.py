@@ -19,7 +19,9 @@ def _rank_main(rank: int, world: int, port: int, address: str, out) -> None:
         indices = [i for b in loader.batches() for i in b.indices.tolist()]
         out.put((rank, loader.rank, loader.world_size, indices))
     finally:
-        dist.destroy_process_group()
+        from croupier.client.rtp import destroy_process_group
+
+        destroy_process_group()
 
 
 def test_rank_and_world_default_from_torch_distributed(serve_inprocess) -> None:

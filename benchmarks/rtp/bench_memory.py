@@ -150,7 +150,9 @@ def worker(args: argparse.Namespace) -> None:
     dist.all_gather_object(everyone, mine)
     if rank == 0:
         Path(args.result).write_text(json.dumps(everyone))
-    dist.destroy_process_group()
+    from croupier.client.rtp import destroy_process_group
+
+    destroy_process_group()  # safe to exit after (client/rtp/teardown.py)
 
 
 def _free_port() -> int:

@@ -5,6 +5,7 @@ from .hooks import ReplicatedLayerWarning
 from .memory import StateBytes, state_bytes
 from .shard import Position, RotatingShard
 from .split import Split
+from .teardown import destroy_process_group
 
 __all__ = ["Position", "ReplicatedLayerWarning", "RotatedTensorParallel", "RotatingShard", "Split",
-           "StateBytes", "state_bytes"]
+           "StateBytes", "destroy_process_group", "state_bytes"]

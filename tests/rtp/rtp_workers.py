@@ -25,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from rtp_models import CASES, EDGE, WIDE_CNN, global_batch, micro_batch  # noqa: E402
 
 from croupier.client.rtp import Position, ReplicatedLayerWarning, RotatedTensorParallel, state_bytes  # noqa: E402
+from croupier.client.rtp import destroy_process_group  # noqa: E402
 
 MICRO = 2
 STEPS = 5
@@ -504,8 +505,7 @@ def main() -> None:
         if dist.is_initialized():
             dist.barrier()
     finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        destroy_process_group()
 
 
 if __name__ == "__main__":
