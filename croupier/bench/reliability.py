@@ -145,6 +145,15 @@ def markdown(rep: dict[str, Any]) -> str:
               "- Reads are paced by croupier's injected latency (3 ms, fixed) so an epoch spans the faults; "
               "nothing here measures speed.",
               "",
+              "## Confinement and corrupt data (items 2 and 6)", "",
+              "Not re-run here: they are pass/fail cases, each a test on a real server "
+              "(`tests/test_confinement.py`, `tests/test_corrupt_data.py`): links out of a data root (an image, a "
+              "class folder, an `.arrow` file, a `.tar` shard, `classes.txt`, `state.json` naming `../` or an "
+              "absolute path), files swapped after open, a planted link under the tar index's name; truncated, "
+              "empty and mis-typed datasets at start, a flipped byte in a checksummed Parquet page, a mixed-format "
+              "folder, a JPEG with garbage after its header. Each is refused with the status the README gives, "
+              "and a control case shows the same layout really serves outside bytes when the check is off.",
+              "",
               "## What is not covered", "",
               "- A network that stops delivering without resetting (a black hole): the client sees it only "
               "through gRPC keepalive, after its timeout; not run here.",
