@@ -106,7 +106,7 @@ class SharedStats:
 class _Batch:
     """One batch in the window: its samples in completion order."""
 
-    __slots__ = ("size", "issued", "arrivals", "nbytes", "counted")
+    __slots__ = ("size", "issued", "arrivals", "nbytes", "counted", "lead")
 
     def __init__(self, size: int):
         self.size = size
@@ -116,6 +116,8 @@ class _Batch:
         self.nbytes = 0
         #: Its bytes are in the window's total (until it leaves the window).
         self.counted = True
+        #: Arrivals the furthest subscriber has taken (the rest wait on every subscriber).
+        self.lead = 0
 
 
 def share_key(reader: Reader, plan: EpochPlan, rank: int, columns: tuple[str, ...]) -> Hashable:
@@ -153,6 +155,10 @@ class SharedEpoch:
         self.base = self.cursor = start_batch
         self.batches: dict[int, _Batch] = {}
         self.window_used = 0
+        #: Bytes ever completed, and those of them the furthest subscriber took: their
+        #: difference is what no stream has taken yet (one stream's `buffered` alone).
+        self.completed_bytes = 0
+        self.lead_bytes = 0
         self.attached: list[Subscriber] = []
         #: Attached subscribers and detached ones still draining batches of this window.
         self.listeners: set[Subscriber] = set()
@@ -296,11 +302,15 @@ class SharedEpoch:
 
     def _no_room(self) -> bool:
         limits = self.limits
-        if self.in_flight >= limits.max_reads_per_stream or self._over_window():
+        untaken = self.completed_bytes - self.lead_bytes
+        if (self.in_flight >= limits.max_reads_per_stream or untaken > limits.max_buffered_bytes
+                or self._over_window()):
             return True
+        # Past the server-wide total, read on only while no stream has a chunk to take,
+        # as one stream alone does: window bytes wait on the slowest, so not them.
         budget = self.owner.server_buffer
         return (budget is not None and budget.used > budget.limit
-                and (self.window_used >= limits.chunk_bytes or self.in_flight >= limits.chunk_samples))
+                and (untaken >= limits.chunk_bytes or self.in_flight >= limits.chunk_samples))
 
     # ---- reads ----
 
@@ -313,6 +323,7 @@ class SharedEpoch:
             self.owner.server_reads.give()
         nbytes = self.sizer(item) if err is None else 0
         rec.arrivals.append((ref, item, nbytes, err))
+        self.completed_bytes += nbytes
         if rec.counted:
             rec.nbytes += nbytes
             self.window_used += nbytes
@@ -528,6 +539,9 @@ class Subscriber:
                     if pending.full(limits):
                         break
                 self.taken[b] = t
+                if t > rec.lead:  # the furthest stream took these: they no longer count as unread-ahead
+                    epoch.lead_bytes += sum(a[2] for a in arrivals[rec.lead:t])
+                    rec.lead = t
                 if t == rec.size:
                     pending.completed.append(b)
                     pending.urgent |= whole_so_far
