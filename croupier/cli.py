@@ -99,6 +99,13 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
                    help=f"payload KiB per message before it is flushed (default {lim.chunk_bytes >> 10}, under "
                    "grpc's default 4 MiB receive limit); a message never exceeds --max-message-mb")
     g.add_argument("--flush-delay-ms", type=float, help=f"longest a completed sample waits for its chunk (default {lim.flush_delay_s * 1000:g})")
+    g.add_argument("--no-shared-epochs", dest="shared_epochs", action="store_false", default=None,
+                   help="every stream does its own reads (default: streams of the same rank of the same epoch "
+                   "- dataset, seed, epoch, world size, batch size, drop_last, columns - read each sample once "
+                   "and share it; README \"Shared epochs\")")
+    g.add_argument("--shared-window-mb", type=float,
+                   help=f"MiB of completed samples one shared epoch holds for its slower streams; a stream "
+                   f"further behind goes on with its own reads (default {d.shared_window_bytes >> 20})")
     g.add_argument("--workers", type=int, help=f"threads for CPU work: encoding chunks, Pillow (default {d.workers})")
     g.add_argument("--io-threads", type=int,
                    help=f"threads that wait on file-system reads, one pread each: file reads in flight at most "
@@ -190,6 +197,10 @@ def build_server_config(args: argparse.Namespace):
     changes.update(_limits_changes(args))
     if args.max_message_mb is not None:
         changes["max_message_bytes"] = args.max_message_mb << 20
+    if args.shared_epochs is not None:
+        changes["shared_epochs"] = args.shared_epochs
+    if args.shared_window_mb is not None:
+        changes["shared_window_bytes"] = max(1, int(args.shared_window_mb * (1 << 20)))
     if args.storage_options:
         options = dict(config.storage_options)
         for item in args.storage_options:

@@ -221,6 +221,8 @@ async def start(config: ServerConfig) -> RunningServer:
         admission=StreamAdmission(config.max_streams, config.max_streams_per_client, config.max_streams_per_connection),
         max_total_buffered_bytes=config.max_total_buffered_bytes,
         stream_idle_timeout_s=config.stream_idle_timeout_s,
+        shared_epochs=config.shared_epochs,
+        shared_window_bytes=config.shared_window_bytes,
     )
     catalog.on_close = lambda reader: service.trimmer.released()
     service.tokens = tokens

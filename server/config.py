@@ -77,6 +77,13 @@ class ServerConfig:
     #: Completed-but-unsent bytes over all streams; past it a stream reads on only while
     #: it holds less than one chunk (so every stream still moves).
     max_total_buffered_bytes: int = 512 << 20
+    #: Shared epochs (README "Shared epochs"): streams of the same rank of the same epoch
+    #: (dataset, seed, epoch, world size, batch size, drop_last, columns) read each sample
+    #: once; off, every stream does its own reads.
+    shared_epochs: bool = True
+    #: Completed-sample bytes one shared epoch holds for its slower streams; past it, a
+    #: stream behind the others goes on with its own reads.
+    shared_window_bytes: int = 256 << 20
     #: Datasets opened by path kept open at once; unused ones close after the idle time.
     max_path_datasets: int = 32
     path_dataset_idle_s: float = 300.0
@@ -128,6 +135,8 @@ class ServerConfig:
         for name in _NON_NEGATIVE:
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must not be negative (0 turns it off), got {getattr(self, name)}")
+        if self.shared_window_bytes < 1:
+            raise ValueError(f"shared_window_bytes (--shared-window-mb) must be positive, got {self.shared_window_bytes}")
         if self.max_request_bytes < 1024:
             raise ValueError(f"max_request_bytes must be at least 1024, got {self.max_request_bytes}")
         for cert, key, flag in (("tls_cert", "tls_key", "--tls"), ("metrics_tls_cert", "metrics_tls_key", "--metrics-tls")):

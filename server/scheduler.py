@@ -357,6 +357,10 @@ class Dealer:
     def num_samples(self) -> int:
         return self.plan.samples_in(self.span.start_batch, self.span.end_batch)
 
+    async def encode_chunks(self, refs: list[SampleRef], items: list[Any], completed: list[int]) -> list[Chunk]:
+        """Items of this stream's columns as its chunks (a shared epoch's subscriber uses it)."""
+        return await self._encode_part(refs, items, completed)
+
     async def _encode(self, pending: _Pending) -> list[Chunk]:
         return await self._encode_part(pending.refs, pending.items, pending.completed)
 

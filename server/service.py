@@ -29,6 +29,7 @@ from .planner import BatchRangeError, EpochPlan, PlanError
 from .readers.base import DatasetError, DatasetInfo, MemberOutsideRootsError, OutsideRootsError, Reader, UnknownColumnError
 from .redact import PathRedactor
 from .scheduler import BufferBudget, ChunkTooLargeError, Dealer, FetchLimits, ReadBudget, StreamRange
+from .shared_epoch import DEFAULT_WINDOW_BYTES, SharedEpochs
 
 log = logging.getLogger("croupier.server")
 
@@ -144,6 +145,8 @@ class CroupierService(pb_grpc.CroupierServicer):
         admission: StreamAdmission | None = None,
         max_total_buffered_bytes: int = 0,
         stream_idle_timeout_s: float = 0.0,
+        shared_epochs: bool = True,
+        shared_window_bytes: int = DEFAULT_WINDOW_BYTES,
     ):
         self.catalog = catalog
         self.limits = limits
@@ -161,6 +164,13 @@ class CroupierService(pb_grpc.CroupierServicer):
         self.executor = executor
         self.metrics = metrics
         self.active: set[asyncio.Task] = set()
+        #: Streams of the same rank of the same epoch share reads (server/shared_epoch.py).
+        self.shared = SharedEpochs(
+            window_bytes=shared_window_bytes, limits=limits, server_reads=self.server_reads,
+            server_buffer=self.server_buffer, executor=executor, observer=metrics.reads,
+        ) if shared_epochs else None
+        if self.shared is not None:
+            metrics.registry.register(self.shared.stats)
         #: Set by a graceful stop: open streams finish, new ones go to another replica.
         self.draining = False
 
@@ -306,7 +316,7 @@ class CroupierService(pb_grpc.CroupierServicer):
                 await self._abort(context, exc, what, opts.dataset)
             name = reader.name
             writer = _IdleWatch(context, self.stream_idle_timeout_s)
-            chunks = aiter(dealer)
+            chunks = aiter(dealer) if self.shared is None else self.shared.stream(dealer)
             try:
                 await writer.write(self._header(reader, plan, span))
                 async for chunk in chunks:
