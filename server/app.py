@@ -25,6 +25,7 @@ from .auth import AuthInterceptor, TokenStore
 from .catalog import Catalog, one_line
 from .config import ServerConfig
 from .decode_guard import DecodeGuard
+from .autotune import Autotuner
 from .limits import StreamAdmission
 from .metrics import ServerMetrics
 from .metrics_http import basic_auth_credentials, serve_metrics
@@ -211,6 +212,11 @@ async def start(config: ServerConfig) -> RunningServer:
     for reader in catalog.readers():
         metrics.storage.add(reader.store)  # object stores: one per bucket
     catalog.on_open = lambda reader: metrics.storage.add(reader.store)
+    autotuner = None
+    if config.autotune:
+        autotuner = Autotuner(config.limits, max_reads=config.max_reads,
+                              total_buffered_bytes=config.max_total_buffered_bytes, pinned=config.autotune_pinned)
+        metrics.registry.register(autotuner)
     service = CroupierService(
         catalog,
         limits=config.limits,
@@ -221,6 +227,7 @@ async def start(config: ServerConfig) -> RunningServer:
         admission=StreamAdmission(config.max_streams, config.max_streams_per_client, config.max_streams_per_connection),
         max_total_buffered_bytes=config.max_total_buffered_bytes,
         stream_idle_timeout_s=config.stream_idle_timeout_s,
+        autotuner=autotuner,
     )
     catalog.on_close = lambda reader: service.trimmer.released()
     service.tokens = tokens
