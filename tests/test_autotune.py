@@ -327,3 +327,21 @@ def test_decode_workers_given_are_pinned() -> None:
     assert loader.decode_tuner is None and loader.decode_workers == 3
     auto = Loader("x", batch_size=4)
     assert auto.decode_tuner is not None and auto.decode_workers == auto.decode_tuner.workers
+
+
+# ---- pins from flags and config files ------------------------------------------------------
+
+def test_flags_and_config_keys_pin_what_they_set() -> None:
+    from croupier.cli import build_server_config, make_parser
+    from croupier.server.config import config_from_mapping
+
+    args = make_parser().parse_args(["serve", "--max-reads-per-stream", "32", "--chunk-kb", "512"])
+    config = build_server_config(args)
+    assert config.autotune and config.autotune_pinned == ("max_reads_per_stream",)
+    args = make_parser().parse_args(["serve", "--no-autotune"])
+    assert build_server_config(args).autotune is False
+    assert build_server_config(make_parser().parse_args(["serve"])).autotune_pinned == ()
+    config = config_from_mapping({"flush_delay_s": 0.002, "default_prefetch": 8})
+    assert config.autotune_pinned == ("default_prefetch", "flush_delay_s")
+    with pytest.raises(ValueError, match="max_batch_size"):
+        config_from_mapping({"autotune_pinned": ["max_batch_size"]})
