@@ -1,7 +1,8 @@
 """Online tuning of each stream's read path: reads in flight, read-ahead, chunk size, flush delay.
 
 Method: a feedback controller per stream, not a search. Every decision period (about one
-round of reads: `max(MIN_COMPLETIONS, reads / 2)` completions, or `MAX_PERIOD_S`) the
+round of reads: `max(MIN_COMPLETIONS, reads / 2)` completions and MIN_PERIOD_S, or
+MAX_PERIOD_S) the
 Dealer hands over plain counters: read latencies, samples sent, time its sender waited
 for reads (the client is waiting on us) or for the client (the client is the slow side),
 how often the issuer hit the in-flight bound, and the event loop's CPU time.
@@ -10,9 +11,12 @@ how often the issuer hit the in-flight bound, and the event loop's CPU time.
   reads that take L seconds, `rate x L` reads must be in flight; the target is that times
   HEADROOM (2). While the issuer is held by the bound and the sender starves, the rate is
   the bound's own (rate = reads / L), so the target is 2x the bound: it grows
-  geometrically (at least x1.5 a step) until the client, the CPU or the storage is the
-  limit. Growth that no longer raises the rate (twice) caps it there (a plateau: CPU or
-  storage bound, where more reads only queue); a saturated event loop holds it.
+  geometrically (x1.5 to x2 a step) until the client, the CPU or the storage is the
+  limit. The period after a change is not measured (the new bound is filling). Growth
+  that twice in a row does not raise the rate by 10% caps the bound at 1.25x the last
+  level that paid (a plateau: CPU or storage bound, where more reads only queue); a
+  saturated event loop holds it. "Held back by the bound" means hit, with the sender
+  starving and reads in flight (Little's law on completions) near the bound on average.
   Shrinking waits for three periods in a row that ask for under half the bound, and
   halves at most: a slow client frees memory without the setting hunting.
 * Read-ahead (prefetch, in batches) keeps twice the in-flight bound in the window, so a
@@ -61,8 +65,8 @@ HEADROOM = 2.0
 START_READS = 16
 MIN_READS = 4
 MIN_COMPLETIONS = 32
-MIN_PERIOD_S = 0.01
-MAX_PERIOD_S = 0.25
+MIN_PERIOD_S = 0.05
+MAX_PERIOD_S = 0.5
 SHRINK_AFTER = 3
 #: Growth must raise the drain rate by this much, or it counts towards a plateau.
 PLATEAU_GAIN = 1.1
@@ -126,6 +130,7 @@ class StreamTuner:
         self._strikes = 0
         self._grew_from: tuple[int, float] | None = None  # (reads, rate) before the last growth
         self._shrink_votes = 0
+        self._hold = False
         self._chunk_vote: int | None = None
         self._flush_vote: float | None = None
         self._t = clock()
@@ -194,8 +199,11 @@ class StreamTuner:
             b = self.sent_bytes / self.sent
             self.item_bytes = b if self.item_bytes is None else 0.5 * self.item_bytes + 0.5 * b
         starved = self.starved_s / elapsed
-        supply_bound = self.bound_hits > 0 and starved >= 0.05
         old = self.settings
+        # The bound holds the stream back: hit, the sender starving, and (Little's law on
+        # the completions) reads in flight near the bound on average, not in a burst.
+        in_flight = self.done / elapsed * lat
+        supply_bound = self.bound_hits > 0 and starved >= 0.05 and in_flight >= 0.6 * old.reads
         new = old
         if "max_reads_per_stream" not in self.pinned:
             new = dataclasses.replace(new, reads=self._reads(old.reads, rate, supply_bound, loop_busy))
@@ -224,6 +232,9 @@ class StreamTuner:
     def _reads(self, cur: int, rate: float, supply_bound: bool, loop_busy: float) -> int:
         lat = self.latency_s or 0.0
         ceiling = self.ceiling()
+        if self._hold:  # the period right after a change fills the new bound: not a measurement
+            self._hold = False
+            return min(cur, ceiling)
         if self.cap is not None and not 0.5 <= lat / max(self._cap_latency, 1e-9) <= 2.0:
             self.cap, self._strikes = None, 0  # the storage changed: learn its plateau again
         # Did the last growth pay? Measured on this period, the first at the new bound.
@@ -233,9 +244,12 @@ class StreamTuner:
             if supply_bound and rate < before_rate * PLATEAU_GAIN:
                 self._strikes += 1
                 if self._strikes >= PLATEAU_STRIKES:
-                    self.cap, self._cap_latency = cur, lat
-            else:
-                self._strikes = 0
+                    # Back to just above the last level that paid: more only queued.
+                    self.cap, self._cap_latency = max(MIN_READS, int(before_reads * 1.25)), lat
+                    self._strikes = 0
+                    return self._changed(min(cur, self.cap, ceiling))
+                return cur  # once may be noise: hold, and try growing again next period
+            self._strikes = 0
         needed = rate * lat * HEADROOM
         want = needed
         if supply_bound and loop_busy < LOOP_SATURATED:
@@ -246,19 +260,23 @@ class StreamTuner:
         want_i = int(min(max(want, MIN_READS), top))
         if cur > ceiling:  # a bound tightened (more streams, bigger samples): obey at once
             self._shrink_votes = 0
-            return ceiling
+            return self._changed(ceiling)
         if want_i >= cur * 1.25:
             self._shrink_votes = 0
             self._grew_from = (cur, rate)
-            return want_i
+            return self._changed(min(want_i, 2 * cur))
         if want_i <= cur * 0.5:
             self._shrink_votes += 1
             if self._shrink_votes >= SHRINK_AFTER:
                 self._shrink_votes = 0
-                return max(want_i, cur // 2, MIN_READS)
+                return self._changed(max(want_i, cur // 2, MIN_READS))
             return cur
         self._shrink_votes = 0
         return cur
+
+    def _changed(self, reads: int) -> int:
+        self._hold = reads != self.settings.reads
+        return reads
 
     def _chunk(self, cur: int) -> int:
         rate = self.rate or 0.0

@@ -28,6 +28,11 @@ Planning is bounded per step: the planner evaluates at most `block_samples` indi
 a time, and batches of `_OFFLOAD_BATCH_SIZE` samples or more are planned in the
 executor, so a huge batch never holds the event loop.
 
+Autotuning (server/autotune.py): with a `tuner`, the stream's in-flight bound, prefetch,
+chunk size and flush delay are the tuner's, replaced between chunks when it decides; the
+hot path only adds to its counters (latency and count per read, times per wake-up and
+per chunk).
+
 Nothing here knows about gRPC: the service turns `Chunk`s into messages.
 """
 
