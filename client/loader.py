@@ -31,6 +31,7 @@ from torch.utils.data import default_collate
 from croupier.options import StreamOptions
 from croupier.security import ClientSecurity, check_address
 
+from .autotune import DecodeTuner
 from .assemble import BatchAssembler, ProtocolError, RawBatch
 from .samples import ImageDecode, collate_table, raw_batch_samples
 from .wire import FINAL_LIMITS, LIMIT_BACKOFF_S, RETRYABLE, Connection, limit_of, size_limit_advice, transport_hint
@@ -135,7 +136,9 @@ class Loader:
         max_retries: consecutive failed attempts before giving up; progress resets it.
             A message over a size limit is not retried (the LoaderError names the limit).
         buffer_batches: collated batches the sync iterator keeps ready ahead of the user.
-        decode_workers: threads decoding images (default: min(4, CPUs); 0 or 1: inline).
+        decode_workers: threads decoding images (0 or 1: inline). Default: tuned while
+            running (client/autotune.py), from 2, up to the CPU count: more while the
+            trainer waits on decoding, fewer while decoding idles; a value given is kept.
         tls_ca: CA file (PEM) that signed the servers' certificates; turns TLS on
             (default: the CROUPIER_TLS_CA environment variable).
         tls_cert, tls_key: client certificate and key (PEM) for servers that require
@@ -226,7 +229,9 @@ class Loader:
         self._epoch_done = False
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
-        self.decode_workers = min(4, os.cpu_count() or 1) if decode_workers is None else decode_workers
+        #: Sets decode_workers as the Loader runs (None: decode_workers was given, and is kept).
+        self.decode_tuner = DecodeTuner(os.cpu_count() or 1) if decode_workers is None else None
+        self.decode_workers = self.decode_tuner.workers if self.decode_tuner is not None else decode_workers
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
 
     # ---- epoch and resume state -------------------------------------------------
@@ -393,7 +398,10 @@ class Loader:
         if raw.table is not None and self._default_collate and self.transform is None:
             data = collate_table(raw.table)  # same result as default_collate, column-wise
         if data is None:
+            t0 = time.perf_counter()
             samples = raw_batch_samples(raw, self.decode_images, self._decode_pool())
+            if self.decode_tuner is not None:
+                self.decode_tuner.batch_done(len(samples), time.perf_counter() - t0)
             if self.transform is not None:
                 samples = [self.transform(s) for s in samples]
             data = self.collate_fn(samples)
@@ -402,8 +410,13 @@ class Loader:
 
     def _decode_pool(self) -> concurrent.futures.ThreadPoolExecutor | None:
         """Threads that decode a batch's images in parallel (a DataLoader uses worker processes)."""
+        if self.decode_tuner is not None:
+            self.decode_workers = self.decode_tuner.workers
         if self.decode_workers <= 1:
             return None
+        if self._pool is not None and self._pool._max_workers != self.decode_workers:
+            self._pool.shutdown(wait=False)  # resized by the tuner: its tasks are done, threads exit
+            self._pool = None
         if self._pool is None:
             self._pool = concurrent.futures.ThreadPoolExecutor(self.decode_workers, thread_name_prefix="croupier-decode")
         return self._pool
@@ -447,7 +460,10 @@ class Loader:
                 except StopAsyncIteration:
                     self._pass_ended()
                     break
-                self.stats.wait_s += time.perf_counter() - w
+                waited = time.perf_counter() - w
+                self.stats.wait_s += waited
+                if self.decode_tuner is not None:
+                    self.decode_tuner.trainer_waited(waited)
                 batch = self._collate(raw)
                 self._handed_out(batch, t0)
                 yield batch
@@ -493,7 +509,10 @@ class Loader:
             while True:
                 w = time.perf_counter()
                 kind, value = q.get()
-                self.stats.wait_s += time.perf_counter() - w
+                waited = time.perf_counter() - w
+                self.stats.wait_s += waited
+                if self.decode_tuner is not None:
+                    self.decode_tuner.trainer_waited(waited)  # a float add, from the trainer's thread
                 if kind == "end":
                     self._pass_ended()
                     return

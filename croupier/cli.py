@@ -85,20 +85,21 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
                    "session_token, skip_signature, ... (repeatable)")
     g = p.add_argument_group("concurrency and memory")
     g.add_argument("--max-reads", type=int, help=f"sample reads in flight over all streams (default {d.max_reads})")
-    g.add_argument("--max-reads-per-stream", type=int, help=f"sample reads in flight per stream (default {lim.max_reads_per_stream})")
+    g.add_argument("--max-reads-per-stream", type=int, help=f"sample reads in flight per stream (default: tuned per stream; "
+                   f"{lim.max_reads_per_stream} with --no-autotune)")
     g.add_argument("--prefetch", type=int, dest="default_prefetch",
                    help=f"batches reads may run ahead of the oldest unsent one, when the client "
-                   f"does not say (default {lim.default_prefetch})")
+                   f"does not say (default: tuned per stream; {lim.default_prefetch} with --no-autotune)")
     g.add_argument("--max-prefetch", type=int,
                    help=f"largest prefetch a client may ask for; larger requests are clamped "
                    f"(default {lim.max_prefetch})")
     g.add_argument("--max-buffered-mb", type=float,
                    help=f"completed-but-unsent MiB per stream before reading pauses (default {lim.max_buffered_bytes >> 20})")
-    g.add_argument("--chunk-samples", type=int, help=f"samples per message at most (default {lim.chunk_samples})")
+    g.add_argument("--chunk-samples", type=int, help=f"samples per message at most (default: tuned per stream; "
+                   f"{lim.chunk_samples} with --no-autotune)")
     g.add_argument("--chunk-kb", type=int,
                    help=f"payload KiB per message before it is flushed (default {lim.chunk_bytes >> 10}, under "
                    "grpc's default 4 MiB receive limit); a message never exceeds --max-message-mb")
-    g.add_argument("--flush-delay-ms", type=float, help=f"longest a completed sample waits for its chunk (default {lim.flush_delay_s * 1000:g})")
     g.add_argument("--no-shared-epochs", dest="shared_epochs", action="store_false", default=None,
                    help="every stream does its own reads (default: streams of the same rank of the same epoch "
                    "- dataset, seed, epoch, world size, batch size, drop_last, columns - read each sample once "
@@ -106,6 +107,13 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--shared-window-mb", type=float,
                    help=f"MiB of completed samples one shared epoch holds for its slower streams; a stream "
                    f"further behind goes on with its own reads (default {d.shared_window_bytes >> 20})")
+    g.add_argument("--flush-delay-ms", type=float, help=f"longest a completed sample waits for its chunk (default: tuned per stream; "
+                   f"{lim.flush_delay_s * 1000:g} with --no-autotune)")
+    g.add_argument("--no-autotune", action="store_false", dest="autotune", default=None,
+                   help="turn the per-stream tuner off: every stream uses --max-reads-per-stream, --prefetch, "
+                   "--chunk-samples and --flush-delay-ms (or their defaults) as given; with the tuner on (the "
+                   "default) those four are tuned online unless set, and a setting given is pinned "
+                   "(README \"Autotuning\")")
     g.add_argument("--workers", type=int, help=f"threads for CPU work: encoding chunks, Pillow (default {d.workers})")
     g.add_argument("--io-threads", type=int,
                    help=f"threads that wait on file-system reads, one pread each: file reads in flight at most "
@@ -221,6 +229,12 @@ def build_server_config(args: argparse.Namespace):
         limits["flush_delay_s"] = args.flush_delay_ms / 1000
     if limits:
         changes["limits"] = dataclasses.replace(config.limits, **limits)
+        from croupier.server.config import TUNED_LIMITS
+
+        pinned = set(config.autotune_pinned) | (set(limits) & set(TUNED_LIMITS))
+        changes["autotune_pinned"] = tuple(sorted(pinned))
+    if args.autotune is not None:
+        changes["autotune"] = args.autotune
     if args.latency_ms is not None:
         base = config.latency or LatencySpec(median_ms=args.latency_ms)
         changes["latency"] = dataclasses.replace(

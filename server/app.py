@@ -25,6 +25,7 @@ from .auth import AuthInterceptor, TokenStore
 from .catalog import Catalog, one_line
 from .config import ServerConfig
 from .decode_guard import DecodeGuard
+from .autotune import Autotuner
 from .limits import StreamAdmission
 from .metrics import ServerMetrics
 from .metrics_http import basic_auth_credentials, serve_metrics
@@ -211,6 +212,11 @@ async def start(config: ServerConfig) -> RunningServer:
     for reader in catalog.readers():
         metrics.storage.add(reader.store)  # object stores: one per bucket
     catalog.on_open = lambda reader: metrics.storage.add(reader.store)
+    autotuner = None
+    if config.autotune:
+        autotuner = Autotuner(config.limits, max_reads=config.max_reads,
+                              total_buffered_bytes=config.max_total_buffered_bytes, pinned=config.autotune_pinned)
+        metrics.registry.register(autotuner)
     service = CroupierService(
         catalog,
         limits=config.limits,
@@ -223,6 +229,7 @@ async def start(config: ServerConfig) -> RunningServer:
         stream_idle_timeout_s=config.stream_idle_timeout_s,
         shared_epochs=config.shared_epochs,
         shared_window_bytes=config.shared_window_bytes,
+        autotuner=autotuner,
     )
     catalog.on_close = lambda reader: service.trimmer.released()
     service.tokens = tokens

@@ -10,6 +10,7 @@ from typing import Any
 
 import yaml
 
+from .autotune import TUNED as TUNED_LIMITS  # one given in a config file or flag is pinned
 from .scheduler import FetchLimits
 
 
@@ -59,6 +60,12 @@ class ServerConfig:
     #: endpoint, region, access_key_id, secret_access_key, session_token, ...
     storage_options: dict[str, str] = field(default_factory=dict)
     limits: FetchLimits = field(default_factory=FetchLimits)
+    #: Tune each stream's reads in flight, prefetch, chunk size and flush delay online
+    #: (server/autotune.py); off, every stream uses `limits` as given.
+    autotune: bool = True
+    #: Tuned settings the operator set (flags or config keys), which the tuner leaves alone:
+    #: any of max_reads_per_stream, default_prefetch, chunk_samples, flush_delay_s.
+    autotune_pinned: tuple[str, ...] = ()
     latency: LatencySpec | None = None
     #: Seconds SIGTERM waits for open streams to finish before cancelling them.
     grace_s: float = 30.0
@@ -142,6 +149,9 @@ class ServerConfig:
         for cert, key, flag in (("tls_cert", "tls_key", "--tls"), ("metrics_tls_cert", "metrics_tls_key", "--metrics-tls")):
             if (getattr(self, cert) is None) != (getattr(self, key) is None):
                 raise ValueError(f"{flag}-cert and {flag}-key ({cert}, {key}) go together: give both or neither")
+        bad = set(self.autotune_pinned) - set(TUNED_LIMITS)
+        if bad:
+            raise ValueError(f"autotune_pinned: {sorted(bad)[0]!r} is not a tuned setting; tuned: {list(TUNED_LIMITS)}")
         if self.tls_client_ca and not self.tls_cert:
             raise ValueError("--tls-client-ca (mutual TLS) needs --tls-cert and --tls-key too")
 
@@ -188,7 +198,7 @@ def config_from_mapping(raw: dict[str, Any], source: str = "config") -> ServerCo
         elif key == "latency":
             values["latency"] = None if value is None else LatencySpec(**value)
         elif key in known:
-            values[key] = tuple(value) if key in ("datasets", "data_roots", "open_services") else value
+            values[key] = tuple(value) if key in ("datasets", "data_roots", "open_services", "autotune_pinned") else value
         else:
             raise ValueError(f"{source}: unknown setting {key!r}; known: {sorted(known | _LIMIT_FIELDS)}")
     bad = set(limits) - _LIMIT_FIELDS
@@ -196,6 +206,8 @@ def config_from_mapping(raw: dict[str, Any], source: str = "config") -> ServerCo
         raise ValueError(f"{source}: unknown limit {sorted(bad)[0]!r}; known: {sorted(_LIMIT_FIELDS)}")
     if limits:
         values["limits"] = FetchLimits(**limits)
+        pinned = set(values.get("autotune_pinned", ())) | (set(limits) & set(TUNED_LIMITS))
+        values["autotune_pinned"] = tuple(sorted(pinned))
     return ServerConfig(**values)
 
 

@@ -28,6 +28,11 @@ Planning is bounded per step: the planner evaluates at most `block_samples` indi
 a time, and batches of `_OFFLOAD_BATCH_SIZE` samples or more are planned in the
 executor, so a huge batch never holds the event loop.
 
+Autotuning (server/autotune.py): with a `tuner`, the stream's in-flight bound, prefetch,
+chunk size and flush delay are the tuner's, replaced between chunks when it decides; the
+hot path only adds to its counters (latency and count per read, times per wake-up and
+per chunk).
+
 Nothing here knows about gRPC: the service turns `Chunk`s into messages.
 """
 
@@ -328,6 +333,7 @@ class Dealer:
         max_message_bytes: int | None = None,
         fair: FairShare | None = None,
         lane: str = "",
+        tuner: Any = None,
     ):
         if plan.batch_size > limits.max_batch_size:
             raise BatchSizeLimitError(
@@ -352,6 +358,12 @@ class Dealer:
         self.fair = fair
         self.lane = lane
         self.observer = observer or _NoObserver()
+        #: server/autotune.py's StreamTuner: sets the in-flight bound, prefetch, chunk size
+        #: and flush delay from this stream's counters (None: the limits as given).
+        self.tuner = tuner
+        if tuner is not None:
+            self.limits = tuner.settings.apply(limits)
+            self.prefetch = tuner.settings.prefetch
 
     @property
     def num_samples(self) -> int:
@@ -460,7 +472,9 @@ class Dealer:
                 yield chunk
 
     async def _unordered(self) -> AsyncIterator[Chunk]:
-        limits = self.limits
+        limits = self.limits  # rebound when the tuner changes a setting (closures see it)
+        tuner = self.tuner
+        perf = time.perf_counter
         loop = asyncio.get_running_loop()
         observer = self.observer
         reader = self.reader
@@ -483,7 +497,11 @@ class Dealer:
         def complete(ref: SampleRef, item: Any, err: BaseException | None, t0: float) -> None:
             if state["closed"]:
                 return  # a callback read that landed after the stream ended: its slot was given back
-            observer.read_finished(time.perf_counter() - t0, err is None)
+            seconds = perf() - t0
+            observer.read_finished(seconds, err is None)
+            if tuner is not None:
+                tuner.lat_sum += seconds
+                tuner.done += 1
             state["in_flight"] -= 1
             if server_reads is not None:
                 server_reads.give()
@@ -525,12 +543,16 @@ class Dealer:
         async def issue() -> None:
             async for batch, indices, padding in self._batches():
                 while batch > state["oldest"] + self.prefetch:
+                    if tuner is not None:
+                        tuner.bound_hits += 1  # the window holds the issuer: the bound's kin
                     moved.clear()
                     await moved.wait()
                 unreceived[batch] = unsent[batch] = len(indices)
                 for pos, (index, pad) in enumerate(zip(indices, padding)):
                     ref = SampleRef(batch, pos, index, pad)
                     while no_room():
+                        if tuner is not None and state["in_flight"] >= limits.max_reads_per_stream:
+                            tuner.bound_hits += 1
                         moved.clear()
                         if budget is not None and budget.used > budget.limit:
                             budget.wait_for_room(moved)
@@ -569,7 +591,12 @@ class Dealer:
                         if pending.refs
                         else None
                     )
-                    await got_ready.wait()
+                    if tuner is None:
+                        await got_ready.wait()
+                    else:
+                        w0 = perf()
+                        await got_ready.wait()
+                        tuner.starved_s += perf() - w0
                     if flush_timer is not None:
                         flush_timer.cancel()
                     if not ready and not pending.refs:
@@ -597,11 +624,20 @@ class Dealer:
                 chunks = await self._encode(pending)
                 sent_bytes = pending.nbytes
                 pending = _Pending()
+                w0 = perf()
                 for chunk in chunks:
                     yield chunk
                     for ref in chunk.refs:
                         unsent[ref.batch] -= 1
                 state["buffered"] -= sent_bytes
+                if tuner is not None:
+                    tuner.blocked_s += perf() - w0
+                    tuner.sent += sum(len(c.refs) for c in chunks)
+                    tuner.sent_bytes += sent_bytes
+                    settings = tuner.maybe_decide()
+                    if settings is not None:
+                        limits = settings.apply(limits)
+                        self.prefetch = settings.prefetch
                 if budget is not None:
                     budget.release(sent_bytes)
                 while state["oldest"] < self.span.end_batch and unsent.get(state["oldest"]) == 0:

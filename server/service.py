@@ -17,6 +17,7 @@ from croupier.options import StreamOptions
 from croupier.v1 import croupier_pb2 as pb
 from croupier.v1 import croupier_pb2_grpc as pb_grpc
 
+from .autotune import Autotuner
 from .auth import Principal, ScopeError, TokenStore, check_scope, path_under_roots, principal_of
 from .catalog import Catalog, DatasetUnavailableError, UnknownDatasetError
 from .convert import chunk_to_proto, dataset_info_to_proto, header_to_proto
@@ -147,12 +148,15 @@ class CroupierService(pb_grpc.CroupierServicer):
         stream_idle_timeout_s: float = 0.0,
         shared_epochs: bool = True,
         shared_window_bytes: int = DEFAULT_WINDOW_BYTES,
+        autotuner: Autotuner | None = None,
     ):
         self.catalog = catalog
         self.limits = limits
         self.admission = admission or StreamAdmission(0, 0, 0)
         self.server_buffer = BufferBudget(max_total_buffered_bytes) if max_total_buffered_bytes else None
         self.stream_idle_timeout_s = stream_idle_timeout_s
+        #: Per-stream tuning of reads in flight, prefetch, chunks (None: --no-autotune).
+        self.autotuner = autotuner
         self.trimmer = MemoryTrimmer(executor)
         # Encode turns by client: as many as the executor has threads.
         self.fair = FairShare(getattr(executor, "_max_workers", 4))
@@ -280,6 +284,7 @@ class CroupierService(pb_grpc.CroupierServicer):
             self.active.add(task)
         outcome = "CANCELLED"  # unless the stream ends or aborts below
         reader = None
+        tuner = None
         try:
             try:
                 _check_name(opts.dataset)
@@ -294,6 +299,9 @@ class CroupierService(pb_grpc.CroupierServicer):
                 )
                 span = StreamRange.of(plan, opts.rank, opts.start_batch, opts.end_batch)
                 _check_columns(reader.info(), opts.columns)
+                if self.autotuner is not None and not opts.ordered:
+                    tuner = self.autotuner.stream(batch_size=plan.batch_size, requested_prefetch=opts.prefetch or None,
+                                                  name=what)
                 dealer = Dealer(
                     reader,
                     plan,
@@ -310,6 +318,7 @@ class CroupierService(pb_grpc.CroupierServicer):
                     max_message_bytes=self.max_message_bytes,
                     fair=self.fair,
                     lane=ticket.client,
+                    tuner=tuner,
                 )
             except (LookupError, DatasetError, PlanError, OSError, LimitExceeded) as exc:
                 outcome = None
@@ -338,6 +347,8 @@ class CroupierService(pb_grpc.CroupierServicer):
         finally:
             # A client that goes away cancels this task; the dealer's own cleanup
             # (aclose above) has then cancelled this stream's reads, nothing else.
+            if tuner is not None:
+                tuner.close()
             if reader is not None:
                 self.catalog.release(reader)
             self.admission.release(ticket)

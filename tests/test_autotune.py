@@ -1,0 +1,347 @@
+"""The autotuner's guarantees: it converges, holds still, keeps to every bound, leaves
+pinned settings alone; the Dealer and a real server obey it and still deliver every
+sample exactly once; the client's decode-worker tuner grows and shrinks as it should.
+
+The controller tests drive it with a fake clock and synthetic measurements from a
+small model of a stream: storage latency L (reads in parallel without limit unless a
+CPU cap says otherwise), a client that drains at most D samples/s. Nothing depends on
+wall-clock speed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import dataclasses
+import urllib.request
+
+import pyarrow as pa
+import pytest
+
+from croupier.server.autotune import MIN_READS, START_READS, Autotuner, StreamTuner
+from croupier.server.planner import EpochPlan
+from croupier.server.scheduler import Dealer, FetchLimits, StreamRange
+
+from test_scheduler import GatedReader
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.t = 100.0
+        self.cpu = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+    def thread_time(self) -> float:
+        return self.cpu
+
+
+@dataclasses.dataclass
+class Model:
+    """One period of a stream, as the Dealer would count it."""
+
+    latency_s: float
+    demand: float  # samples/s the client drains at most
+    cpu_cap: float = float("inf")  # samples/s the server's loop (or the storage's parallelism) allows
+    item_bytes: int = 1000
+    loop_busy: float = 0.3
+    cap_is_loop: bool = True  # False: the storage's own parallelism is the cap, the loop idles
+
+    def feed(self, tuner: StreamTuner, clock: FakeClock, period_s: float = 0.05) -> None:
+        reads = tuner.settings.reads
+        rate = min(reads / self.latency_s, self.demand, self.cpu_cap)
+        # Little's law: reads queued behind the CPU wait longer than the storage's latency.
+        latency = max(self.latency_s, reads / rate) if rate == self.cpu_cap else self.latency_s
+        n = max(1, round(rate * period_s))
+        tuner.done += n
+        tuner.lat_sum += latency * n
+        tuner.sent += n
+        tuner.sent_bytes += n * self.item_bytes
+        client_bound = rate >= self.demand
+        tuner.bound_hits += 0 if client_bound else 10
+        tuner.starved_s += 0.0 if client_bound else 0.5 * period_s
+        tuner.blocked_s += 0.8 * period_s if client_bound else 0.0
+        clock.t += period_s
+        clock.cpu += (1.0 if rate == self.cpu_cap and self.cap_is_loop else self.loop_busy) * period_s
+
+
+def make(limits: FetchLimits = FetchLimits(), max_reads: int = 4096, total: int = 512 << 20, pinned=(),
+         batch_size: int = 64, requested_prefetch: int | None = None):
+    clock = FakeClock()
+    server = Autotuner(limits, max_reads=max_reads, total_buffered_bytes=total, pinned=pinned)
+    tuner = server.stream(batch_size=batch_size, requested_prefetch=requested_prefetch, clock=clock,
+                          cpu_clock=clock.thread_time, name="test")
+    return server, tuner, clock
+
+
+def run(tuner: StreamTuner, clock: FakeClock, model: Model, decisions: int, trace: list | None = None) -> int:
+    """Feed periods until `decisions` more decisions were made; returns the changes among them."""
+    start_d, start_c = tuner.decisions, tuner.changes
+    for _ in range(decisions * 20):
+        if tuner.decisions - start_d >= decisions:
+            break
+        model.feed(tuner, clock)
+        tuner.maybe_decide()
+        if trace is not None:
+            trace.append(tuner.settings.reads)
+    assert tuner.decisions - start_d == decisions
+    return tuner.changes - start_c
+
+
+@pytest.mark.parametrize("latency_ms,demand", [(1, 20_000), (5, 20_000), (20, 20_000), (5, 3_000)])
+def test_converges_to_littles_law_in_flight_within_ten_decisions(latency_ms: float, demand: float) -> None:
+    _, tuner, clock = make()
+    assert tuner.settings.reads == START_READS
+    model = Model(latency_ms / 1000, demand)
+    run(tuner, clock, model, 10)
+    needed = demand * latency_ms / 1000  # reads in flight that just sustain the client
+    assert needed <= tuner.settings.reads <= 4 * needed + START_READS
+    # and the stream really runs at the client's rate
+    assert min(tuner.settings.reads / model.latency_s, demand) == demand
+
+
+def test_does_not_oscillate_under_steady_input() -> None:
+    _, tuner, clock = make()
+    model = Model(0.005, 20_000)
+    run(tuner, clock, model, 10)
+    settled = tuner.settings
+    assert run(tuner, clock, model, 200) <= 2  # a chunk or flush refinement at most
+    assert tuner.settings.reads == settled.reads
+
+
+def test_a_saturated_event_loop_holds_reads_instead_of_running_to_the_ceiling() -> None:
+    _, tuner, clock = make()
+    model = Model(0.001, float("inf"), cpu_cap=8_000)
+    run(tuner, clock, model, 30)
+    assert tuner.settings.reads <= 64  # 8 reads sustain 8,000/s at 1 ms
+    assert run(tuner, clock, model, 100) == 0
+
+
+def test_storage_that_stops_scaling_caps_growth_at_its_plateau() -> None:
+    _, tuner, clock = make()
+    # 200 reads of 5 ms in parallel at most (40,000/s): more only queue in the storage
+    model = Model(0.005, float("inf"), cpu_cap=40_000, cap_is_loop=False)
+    run(tuner, clock, model, 30)
+    assert tuner.cap is not None
+    assert 200 <= tuner.settings.reads <= 1200
+    assert run(tuner, clock, model, 100) == 0
+
+
+def test_a_client_that_slows_down_frees_reads_gradually() -> None:
+    _, tuner, clock = make()
+    run(tuner, clock, Model(0.005, 40_000), 10)
+    high = tuner.settings.reads
+    trace: list[int] = []
+    run(tuner, clock, Model(0.005, 1_000), 30, trace)
+    low = tuner.settings.reads
+    assert low <= 0.25 * high
+    assert low >= 1_000 * 0.005  # still enough for the client's rate
+    steps = [b for a, b in zip(trace, trace[1:]) if b != a]
+    assert all(b >= a // 2 for a, b in zip([high, *steps], steps))  # never more than halved at once
+    assert run(tuner, clock, Model(0.005, 1_000), 100) == 0
+
+
+@pytest.mark.parametrize("latency_ms", [1, 20])
+def test_never_above_the_servers_max_reads(latency_ms: float) -> None:
+    _, tuner, clock = make(max_reads=100)
+    trace: list[int] = []
+    run(tuner, clock, Model(latency_ms / 1000, 1e9), 40, trace)
+    assert max(trace) <= 100
+    assert tuner.settings.reads == 100
+
+
+def test_streams_share_max_reads() -> None:
+    server, a, clock = make(max_reads=200)
+    b = server.stream(batch_size=64, clock=clock, cpu_clock=clock.thread_time)
+    trace: list[int] = []
+    run(a, clock, Model(0.02, 1e9), 40, trace)
+    assert max(trace) <= 100 and a.settings.reads == 100
+    b.close()
+    assert server.active() == 1
+    run(a, clock, Model(0.02, 1e9), 10)
+    assert a.settings.reads == 200
+
+
+def test_never_above_what_the_buffer_budgets_hold() -> None:
+    # 64 KiB samples: 1 MiB per stream holds 16 of them, whatever the latency asks for.
+    limits = FetchLimits(max_buffered_bytes=1 << 20)
+    _, tuner, clock = make(limits)
+    trace: list[int] = []
+    run(tuner, clock, Model(0.02, 1e9, item_bytes=64 << 10), 40, trace)
+    assert max(trace[2:]) <= 16
+    # the server-wide budget, shared by streams, binds too
+    _, tuner, clock = make(total=2 << 20)
+    run(tuner, clock, Model(0.02, 1e9, item_bytes=64 << 10), 40)
+    assert tuner.settings.reads <= 32
+
+
+def test_pinned_knobs_are_left_alone() -> None:
+    limits = FetchLimits(max_reads_per_stream=24, chunk_samples=48, flush_delay_s=0.007, default_prefetch=3)
+    _, tuner, clock = make(limits, pinned=("max_reads_per_stream", "chunk_samples", "flush_delay_s",
+                                           "default_prefetch"))
+    run(tuner, clock, Model(0.02, 1e9), 30)
+    s = tuner.settings
+    assert (s.reads, s.chunk_samples, s.flush_delay_s, s.prefetch) == (24, 48, 0.007, 3)
+    assert tuner.changes == 0
+
+
+def test_a_prefetch_the_client_asked_for_is_kept_and_bounds_reads() -> None:
+    _, tuner, clock = make(requested_prefetch=1, batch_size=8)
+    trace: list[int] = []
+    run(tuner, clock, Model(0.02, 1e9), 30, trace)
+    assert tuner.settings.prefetch == 1
+    assert max(trace) <= 2 * 8  # the window: the oldest batch and one ahead
+
+
+def test_chunks_grow_for_a_fast_client_and_flush_delay_shortens_while_it_waits() -> None:
+    _, tuner, clock = make()
+    run(tuner, clock, Model(0.001, 100_000), 20)
+    assert tuner.settings.chunk_samples >= 256
+    _, tuner, clock = make()
+    run(tuner, clock, Model(0.02, 1e9), 20)  # the client waits on storage: flush soon
+    assert tuner.settings.flush_delay_s <= 0.002
+
+
+def test_unknown_pins_are_refused() -> None:
+    with pytest.raises(ValueError, match="max_batch_size"):
+        Autotuner(FetchLimits(), max_reads=10, pinned=("max_batch_size",))
+
+
+# ---- the Dealer under a real tuner --------------------------------------------------
+
+async def _drain(dealer: Dealer) -> list[int]:
+    rows = []
+    async for chunk in dealer:
+        rows += pa.ipc.open_stream(chunk.payload.arrow_ipc).read_all().column("index").to_pylist()
+    return rows
+
+
+def test_dealer_raises_in_flight_above_the_start_and_delivers_every_sample_once() -> None:
+    reader = GatedReader(3000, default=0.01)
+    plan = EpochPlan(num_rows=3000, seed=1, epoch=0, batch_size=32, world_size=1)
+    server = Autotuner(FetchLimits(), max_reads=4096)
+    tuner = server.stream(batch_size=32, name="dealer")
+    dealer = Dealer(reader, plan, StreamRange.of(plan, 0), limits=FetchLimits(), tuner=tuner)
+    assert dealer.limits.max_reads_per_stream == START_READS
+    rows = asyncio.run(_drain(dealer))
+    tuner.close()
+    assert sorted(rows) == list(range(3000))
+    assert reader.max_in_flight > START_READS
+    assert max(s.reads for _, s in tuner.history) > START_READS
+    assert all(MIN_READS <= s.reads <= 4096 for _, s in tuner.history)
+    assert server.recent[-1] is tuner and server.active() == 0
+
+
+def test_dealer_keeps_a_pinned_bound() -> None:
+    reader = GatedReader(600, default=0.005)
+    plan = EpochPlan(num_rows=600, seed=1, epoch=0, batch_size=16, world_size=1)
+    limits = FetchLimits(max_reads_per_stream=8)
+    server = Autotuner(limits, max_reads=4096, pinned=("max_reads_per_stream",))
+    dealer = Dealer(reader, plan, StreamRange.of(plan, 0), limits=limits, tuner=server.stream(batch_size=16))
+    rows = asyncio.run(_drain(dealer))
+    assert sorted(rows) == list(range(600))
+    assert reader.max_in_flight <= 8
+
+
+# ---- a real server --------------------------------------------------------------------
+
+def test_a_real_server_tunes_a_stream_up_and_shows_it(serve_inprocess) -> None:
+    from croupier.client.loader import Loader
+    from croupier.server.config import LatencySpec
+
+    st = serve_inprocess(datasets=["rows=synthetic:4000:64"], metrics_port=0,
+                         latency=LatencySpec(median_ms=5.0, distribution="fixed"))
+    seen: list[int] = []
+    scraped = ""
+    with _closing(Loader("rows", servers=st.address, batch_size=50)) as loader:
+        for i, b in enumerate(loader.batches()):
+            seen += b.indices.tolist()
+            if i == 40:
+                url = f"http://127.0.0.1:{st.running.metrics_port}/metrics"
+                scraped = urllib.request.urlopen(url, timeout=10).read().decode()
+    assert sorted(seen) == list(range(4000))
+    assert 'croupier_autotune_reads_in_flight{stat="max"}' in scraped
+    tuner = st.running.service.autotuner.recent[-1]
+    assert max(s.reads for _, s in tuner.history) > START_READS
+    assert tuner.decisions > 0
+
+
+def test_no_autotune_serves_the_limits_as_given(serve_inprocess) -> None:
+    from croupier.client.loader import Loader
+
+    st = serve_inprocess(datasets=["rows=synthetic:500:64"], autotune=False)
+    assert st.running.service.autotuner is None
+    with _closing(Loader("rows", servers=st.address, batch_size=50)) as loader:
+        seen = [i for b in loader.batches() for i in b.indices.tolist()]
+    assert sorted(seen) == list(range(500))
+
+
+class _closing:
+    def __init__(self, loader):
+        self.loader = loader
+
+    def __enter__(self):
+        return self.loader
+
+    def __exit__(self, *exc):
+        self.loader.close()
+
+
+# ---- the client's decode workers ---------------------------------------------------------
+
+def test_decode_workers_grow_while_the_trainer_waits_on_decode_and_shrink_when_idle() -> None:
+    from croupier.client.autotune import DecodeTuner
+
+    clock = FakeClock()
+    tuner = DecodeTuner(ceiling=8, clock=clock)
+    assert tuner.workers == 2
+    per_sample_s = 0.001  # one core decodes 1,000 images/s; threads scale until the ceiling's cores
+
+    def batch(workers: int, trainer_step_s: float) -> None:
+        decode_s = 64 * per_sample_s / min(workers, 6)  # 6 cores' worth of scaling
+        tuner.batch_done(samples=64, decode_s=decode_s)
+        waited = max(0.0, decode_s - trainer_step_s)
+        tuner.trainer_waited(waited)
+        clock.t += max(decode_s, trainer_step_s)
+
+    history = collections.Counter()
+    for _ in range(400):  # a fast trainer: decode is the bottleneck
+        batch(tuner.workers, 0.001)
+        history[tuner.workers] += 1
+    assert tuner.workers == 6 or tuner.workers == 8  # grew until more threads stopped helping
+    grown = tuner.workers
+    changes = tuner.changes
+    for _ in range(200):
+        batch(tuner.workers, 0.001)
+    assert tuner.changes == changes and tuner.workers == grown  # settled: no hunting
+    for _ in range(400):  # a slow trainer: decode idles
+        batch(tuner.workers, 0.5)
+    assert tuner.workers < grown
+
+
+def test_decode_workers_given_are_pinned() -> None:
+    from croupier.client.loader import Loader
+
+    loader = Loader("x", batch_size=4, decode_workers=3)
+    assert loader.decode_tuner is None and loader.decode_workers == 3
+    auto = Loader("x", batch_size=4)
+    assert auto.decode_tuner is not None and auto.decode_workers == auto.decode_tuner.workers
+
+
+# ---- pins from flags and config files ------------------------------------------------------
+
+def test_flags_and_config_keys_pin_what_they_set() -> None:
+    from croupier.cli import build_server_config, make_parser
+    from croupier.server.config import config_from_mapping
+
+    args = make_parser().parse_args(["serve", "--max-reads-per-stream", "32", "--chunk-kb", "512"])
+    config = build_server_config(args)
+    assert config.autotune and config.autotune_pinned == ("max_reads_per_stream",)
+    args = make_parser().parse_args(["serve", "--no-autotune"])
+    assert build_server_config(args).autotune is False
+    assert build_server_config(make_parser().parse_args(["serve"])).autotune_pinned == ()
+    config = config_from_mapping({"flush_delay_s": 0.002, "default_prefetch": 8})
+    assert config.autotune_pinned == ("default_prefetch", "flush_delay_s")
+    with pytest.raises(ValueError, match="max_batch_size"):
+        config_from_mapping({"autotune_pinned": ["max_batch_size"]})
