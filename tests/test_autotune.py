@@ -250,7 +250,8 @@ def test_a_real_server_tunes_a_stream_up_and_shows_it(serve_inprocess) -> None:
     from croupier.client.loader import Loader
     from croupier.server.config import LatencySpec
 
-    st = serve_inprocess(datasets=["rows=synthetic:4000:64"], metrics_port=0,
+    # A stream reading alone: a shared epoch's cursor reads under the static limits (README).
+    st = serve_inprocess(datasets=["rows=synthetic:4000:64"], metrics_port=0, shared_epochs=False,
                          latency=LatencySpec(median_ms=5.0, distribution="fixed"))
     seen: list[int] = []
     scraped = ""
