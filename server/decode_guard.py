@@ -51,34 +51,28 @@ def _guard(handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler
             except RequestDecodeError as exc:
                 await _refuse(context, exc)
 
+    async def parsed(body: bytes, context) -> Any:
+        try:
+            return _parse(deserialize, method, body)
+        except RequestDecodeError as exc:
+            await _refuse(context, exc)  # raises: the call ends here
+
     if handler.unary_unary is not None:
         inner = handler.unary_unary
 
         async def unary_unary(body: bytes, context):
-            try:
-                request = _parse(deserialize, method, body)
-            except RequestDecodeError as exc:
-                await _refuse(context, exc)
-            return await inner(request, context)
+            return await inner(await parsed(body, context), context)
 
         return grpc.unary_unary_rpc_method_handler(unary_unary, None, handler.response_serializer)
     if handler.unary_stream is not None:
         inner = handler.unary_stream
         if inspect.isasyncgenfunction(inner):
             async def unary_stream(body: bytes, context):
-                try:
-                    request = _parse(deserialize, method, body)
-                except RequestDecodeError as exc:
-                    await _refuse(context, exc)
-                async for response in inner(request, context):
+                async for response in inner(await parsed(body, context), context):
                     yield response
         else:  # a coroutine that writes with context.write (the health service's Watch)
             async def unary_stream(body: bytes, context):
-                try:
-                    request = _parse(deserialize, method, body)
-                except RequestDecodeError as exc:
-                    await _refuse(context, exc)
-                return await inner(request, context)
+                return await inner(await parsed(body, context), context)
 
         return grpc.unary_stream_rpc_method_handler(unary_stream, None, handler.response_serializer)
     if handler.stream_unary is not None:

@@ -312,6 +312,28 @@ class _Pending:
         return len(self.refs) >= limits.chunk_samples or self.nbytes >= limits.chunk_bytes or self.urgent
 
 
+async def plan_batches(plan: EpochPlan, rank: int, start: int, end: int,
+                       executor: concurrent.futures.Executor | None) -> AsyncIterator[tuple[int, list[int], list[bool]]]:
+    """(batch, indices, padding) of `rank`'s batches start..end, as plain lists.
+
+    Small batches are planned inline (a planner block is at most 64 Ki indices); large
+    ones in the executor, one batch per hop, so the loop never waits on them.
+    """
+    batches = plan.rank_batches(rank, start, end)
+    if plan.batch_size < _OFFLOAD_BATCH_SIZE:
+        for rb in batches:
+            yield rb.batch, rb.indices.tolist(), rb.padding.tolist()
+        return
+    loop = asyncio.get_running_loop()
+
+    def plan_next() -> tuple[int, list[int], list[bool]] | None:
+        rb = next(batches, None)
+        return None if rb is None else (rb.batch, _to_list(rb.indices), _to_list(rb.padding))
+
+    while (item := await loop.run_in_executor(executor, plan_next)) is not None:
+        yield item
+
+
 class Dealer:
     """Streams one rank's batches of one epoch from a reader as `Chunk`s."""
 
@@ -416,25 +438,8 @@ class Dealer:
         finally:
             observer.read_finished(time.perf_counter() - t0, ok)
 
-    async def _batches(self) -> AsyncIterator[tuple[int, list[int], list[bool]]]:
-        """(batch, indices, padding) of this stream's batches, as plain lists.
-
-        Small batches are planned inline (a planner block is at most 64 Ki indices);
-        large ones in the executor, one batch per hop, so the loop never waits on them.
-        """
-        batches = self.plan.rank_batches(self.span.rank, self.span.start_batch, self.span.end_batch)
-        if self.plan.batch_size < _OFFLOAD_BATCH_SIZE:
-            for rb in batches:
-                yield rb.batch, rb.indices.tolist(), rb.padding.tolist()
-            return
-        loop = asyncio.get_running_loop()
-
-        def plan_next() -> tuple[int, list[int], list[bool]] | None:
-            rb = next(batches, None)
-            return None if rb is None else (rb.batch, _to_list(rb.indices), _to_list(rb.padding))
-
-        while (item := await loop.run_in_executor(self.executor, plan_next)) is not None:
-            yield item
+    def _batches(self) -> AsyncIterator[tuple[int, list[int], list[bool]]]:
+        return plan_batches(self.plan, self.span.rank, self.span.start_batch, self.span.end_batch, self.executor)
 
     def __aiter__(self) -> AsyncIterator[Chunk]:
         # Without I/O to overlap (memory-mapped Arrow, no injected latency) there is

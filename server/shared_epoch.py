@@ -51,8 +51,8 @@ from .planner import EpochPlan
 from .readers.base import Reader
 from .readers.latency import TICK_S
 from .scheduler import (
-    _OFFLOAD_BATCH_SIZE, BufferBudget, Dealer, FetchLimits, FetchObserver, ReadBudget, SampleRef, StreamRange,
-    _NoObserver, _Pending, _TimerWheel, _to_list,
+    BufferBudget, Dealer, FetchLimits, FetchObserver, ReadBudget, SampleRef, StreamRange, _NoObserver, _Pending,
+    _TimerWheel, plan_batches,
 )
 
 log = logging.getLogger("croupier.server.shared")
@@ -351,20 +351,8 @@ class SharedEpoch:
             item, err = None, exc
         self._complete(rec, ref, item, err, t0)
 
-    async def _batches(self) -> AsyncIterator[tuple[int, list[int], list[bool]]]:
-        batches = self.plan.rank_batches(self.rank, self.cursor, self.plan.num_batches)
-        if self.plan.batch_size < _OFFLOAD_BATCH_SIZE:
-            for rb in batches:
-                yield rb.batch, rb.indices.tolist(), rb.padding.tolist()
-            return
-        loop = asyncio.get_running_loop()
-
-        def plan_next() -> tuple[int, list[int], list[bool]] | None:
-            rb = next(batches, None)
-            return None if rb is None else (rb.batch, _to_list(rb.indices), _to_list(rb.padding))
-
-        while (item := await loop.run_in_executor(self.owner.executor, plan_next)) is not None:
-            yield item
+    def _batches(self) -> AsyncIterator[tuple[int, list[int], list[bool]]]:
+        return plan_batches(self.plan, self.rank, self.cursor, self.plan.num_batches, self.owner.executor)
 
     async def _issue(self) -> None:
         loop = asyncio.get_running_loop()
