@@ -642,4 +642,5 @@ def test_stalled_streams_hold_at_most_the_budget_and_give_it_back_when_they_end(
     loop.close()
     wait_until(lambda: _metric(server.metrics_port, "croupier_active_streams") == 0, what="streams ended")
     # Their memory goes back to the OS (malloc_trim), not only to the allocator.
-    wait_until(lambda: _rss_mb(pid) < base + 64, timeout=30, what=f"RSS back near {base:.0f} MB")
+    # Trims run at most every 10 s: two rounds, and slack for a loaded machine.
+    wait_until(lambda: _rss_mb(pid) < base + 64, timeout=60, what=f"RSS back near {base:.0f} MB")
