@@ -11,7 +11,7 @@ from __future__ import annotations
 import threading
 
 import numpy as np
-from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 READ_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
@@ -124,8 +124,3 @@ class ServerMetrics:
         self.limit_refusals = Counter(
             "croupier_limit_refusals", "Calls refused or streams ended by a fair limit", ["limit"], registry=r
         )
-
-    def serve_http(self, port: int, host: str = "127.0.0.1") -> int:
-        """Start the /metrics endpoint in a thread; returns the bound port."""
-        server, _thread = start_http_server(port, addr=host, registry=self.registry)
-        return server.server_port

@@ -11,7 +11,6 @@ per stream, which the server cannot tell from reading (see README, Limits).
 from __future__ import annotations
 
 import asyncio
-import os
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -21,19 +20,11 @@ from typing import Any
 import grpc
 
 from croupier.demo_procs import ServerProcess, free_port
+from croupier.server.limits import LIMIT_METADATA_KEY
 from croupier.v1 import croupier_pb2 as pb
 from croupier.v1 import croupier_pb2_grpc as pb_grpc
 
-LIMIT_KEY = "croupier-limit"  # server.limits.LIMIT_METADATA_KEY: which limit refused a stream
-
-
-def _ticks(pid: int) -> int:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return int(fields[11]) + int(fields[12])
-
-
-def _rss_mb(pid: int) -> float:
-    return int(Path(f"/proc/{pid}/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+from .procstat import cpu_seconds, rss_mb
 
 
 def stalled_streams(workdir: Path, *, attempts: int = 2000, connections: int = 4, rows: int = 4000,
@@ -47,7 +38,6 @@ def stalled_streams(workdir: Path, *, attempts: int = 2000, connections: int = 4
     server = ServerProcess([f"rows=synthetic:{rows}:4096"], workdir, ["--prefetch", "1", *extra_args],
                            port=free_port(), name="abuse-server", host="localhost").start()
     pid = server.proc.pid  # type: ignore[union-attr]
-    hz = os.sysconf("SC_CLK_TCK")
     result: dict[str, Any] = {"attempts": attempts, "connections": connections, "flags": list(extra_args)}
     loop = asyncio.new_event_loop()
     try:
@@ -63,7 +53,7 @@ def stalled_streams(workdir: Path, *, attempts: int = 2000, connections: int = 4
                     await call.read()
                     outcome["admitted"] += 1
                 except grpc.aio.AioRpcError as exc:
-                    limit = dict(exc.trailing_metadata() or ()).get(LIMIT_KEY)
+                    limit = dict(exc.trailing_metadata() or ()).get(LIMIT_METADATA_KEY)
                     outcome[f"refused: {limit}" if limit else f"failed: {exc.code().name}"] += 1
             return chans, calls, outcome
 
@@ -78,15 +68,14 @@ def stalled_streams(workdir: Path, *, attempts: int = 2000, connections: int = 4
         log(f"  the other client's epoch: {len(got):,} of {rows:,} samples, {len(set(got)):,} distinct")
         deadline = time.monotonic() + 60
         while True:  # let the stalled streams fill their windows, then measure a fixed window
-            t0 = _ticks(pid)
+            t0 = cpu_seconds(pid)
             time.sleep(1.0)
-            if _ticks(pid) - t0 <= hz // 20 or time.monotonic() > deadline:
+            if cpu_seconds(pid) - t0 <= 0.05 or time.monotonic() > deadline:
                 break
-        t0 = _ticks(pid)
+        t0 = cpu_seconds(pid)
         time.sleep(window_s)
-        used = _ticks(pid) - t0
-        result["stalled_cpu_percent"] = 100.0 * used / (window_s * hz)
-        result["server_rss_mb"] = _rss_mb(pid)
+        result["stalled_cpu_percent"] = 100.0 * (cpu_seconds(pid) - t0) / window_s
+        result["server_rss_mb"] = rss_mb(pid)
         log(f"  server CPU with only the stalled streams open: {result['stalled_cpu_percent']:.1f}% over "
             f"{window_s:.0f} s; RSS {result['server_rss_mb']:.0f} MB")
         for call in calls:

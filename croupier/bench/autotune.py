@@ -28,13 +28,13 @@ import sys
 import tempfile
 import threading
 import time
-import urllib.request
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from .cases import CROUPIER, Case, ServerProcess, Storage, aggregate, run_ranks
 from .datagen import DataSpec, ensure_data
+from .promscrape import scrape
 from .real import LOCAL, Condition, latency_fs, open_storage
 from .trainer import RankJob
 
@@ -99,15 +99,13 @@ class MetricsPoller:
     def _run(self) -> None:
         while not self._stop.wait(self.period):
             try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/metrics", timeout=2) as r:
-                    text = r.read().decode()
+                samples = scrape(self.port, timeout=2)
             except OSError:
                 continue
             point: dict[str, float] = {"t": time.perf_counter() - self._t0}
-            for line in text.splitlines():
-                for name in SETTINGS:
-                    if line.startswith(name + '{stat="max"}'):
-                        point[name.removeprefix("croupier_autotune_")] = float(line.rpartition(" ")[2])
+            for name, labels, value in samples:
+                if name in SETTINGS and labels == 'stat="max"':
+                    point[name.removeprefix("croupier_autotune_")] = value
             if len(point) > 1:
                 self.points.append(point)
 

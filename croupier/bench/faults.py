@@ -57,9 +57,9 @@ class FaultResult:
 
 def count(expected: Sequence[int], delivered: Sequence[int]) -> tuple[int, int]:
     """(lost, duplicated): indices of `expected` never delivered, and deliveries beyond one."""
-    seen = Counter(delivered)
-    lost = sum(1 for i in set(expected) if seen[i] == 0)
-    duplicated = sum(n - 1 for n in seen.values() if n > 1) + sum(n for i, n in seen.items() if i not in set(expected))
+    seen, wanted = Counter(delivered), set(expected)
+    lost = sum(1 for i in wanted if seen[i] == 0)
+    duplicated = sum(n - 1 for n in seen.values() if n > 1) + sum(n for i, n in seen.items() if i not in wanted)
     return lost, duplicated
 
 
@@ -84,14 +84,13 @@ class _Rank(threading.Thread):
 
 def _open_streams(server: ServerProcess) -> float:
     """The server's croupier_active_streams gauge (0 if it does not answer)."""
-    import urllib.request
+    from .promscrape import scrape
 
     try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=5) as reply:
-            text = reply.read().decode()
+        samples = scrape(server.metrics_port, timeout=5)  # type: ignore[arg-type]
     except OSError:
         return 0.0
-    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith("croupier_active_streams"))
+    return sum(v for name, _, v in samples if name.startswith("croupier_active_streams"))
 
 
 def replica_churn(workdir: Path, *, kills: int = 20, seed: int = 0, rows: int = 4000, world: int = 2,

@@ -32,7 +32,6 @@ import subprocess
 import tempfile
 import threading
 import time
-import urllib.request
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -56,6 +55,7 @@ from .cases import (
 )
 from .datagen import BenchData, DataSpec, ensure_data
 from .procstat import cpu_seconds, load_into_page_cache, peak_rss_mb, thread_cpu, thread_cpu_delta
+from .promscrape import scrape
 from .trainer import RankJob
 
 SIGMA = 0.5
@@ -428,20 +428,14 @@ def scrape_metrics(port: int | None) -> dict[str, float]:
     if not port:
         return {}
     try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
-            text = r.read().decode()
+        samples = scrape(port)
     except OSError:
         return {}
     out: dict[str, float] = {}
-    for line in text.splitlines():
-        if line.startswith("#") or " " not in line:
-            continue
-        name, _, value = line.rpartition(" ")
-        base = name.split("{")[0]
+    for base, _, v in samples:
         if base in ("croupier_storage_reads_total", "croupier_storage_read_bytes_total",
                     "croupier_storage_reads_in_flight_max", "croupier_samples_served_total"):
             key = base.removesuffix("_total")
-            v = float(value)
             out[key] = max(out.get(key, 0.0), v) if key.endswith("_max") else out.get(key, 0.0) + v
     return out
 

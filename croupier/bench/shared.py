@@ -26,7 +26,6 @@ import os
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +34,7 @@ import numpy as np
 from . import latencyfs
 from .cases import ServerProcess
 from .procstat import load_into_page_cache, peak_rss_mb
+from .promscrape import scrape
 
 
 def write_dataset(folder: Path, rows: int, row_bytes: int) -> Path:
@@ -90,19 +90,12 @@ def _job(address: str, ranks: int, batch_size: int, seed: int, out: Any, ready: 
 def _metrics(port: int | None) -> dict[str, float]:
     if not port:
         return {}
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
-        text = r.read().decode()
     out: dict[str, float] = {}
-    for line in text.splitlines():
-        if line.startswith("#") or " " not in line:
-            continue
-        name, _, value = line.rpartition(" ")
-        base = name.split("{")[0]
+    for base, labels, value in scrape(port):
         if base.startswith(("croupier_storage_reads_total", "croupier_samples_served_total", "croupier_shared_")):
-            key = base if "{" not in name else f"{base}{{{name.split('{', 1)[1]}"
-            if base.startswith("croupier_storage_reads_total"):
-                key = base
-            out[key] = out.get(key, 0.0) + float(value)
+            # Storage reads summed over schemes; the others kept by label.
+            key = f"{base}{{{labels}}}" if labels and not base.startswith("croupier_storage_reads_total") else base
+            out[key] = out.get(key, 0.0) + value
     return out
 
 
