@@ -147,6 +147,9 @@ class Loader:
             clear text only to loopback addresses; elsewhere it needs TLS.
         tls: True for TLS with the system's CAs; default: on when a CA or client
             certificate is given.
+        channel_options: extra gRPC channel arguments, e.g. `[("grpc.http2.bdp_probe", 0)]`
+            to keep each stream's flow-control window at 64 KiB; they replace croupier's
+            own of the same name (client/wire.py CHANNEL_OPTIONS).
     """
 
     def __init__(
@@ -180,6 +183,7 @@ class Loader:
         tls_key: str | None = None,
         token: str | None = None,
         tls: bool | None = None,
+        channel_options: Sequence[tuple[str, Any]] = (),
     ):
         if rank is None or world_size is None:
             d_rank, d_world = _distributed_default()
@@ -190,6 +194,7 @@ class Loader:
             raise ValueError("Loader needs at least one server address")
         for address in self.servers:
             check_address(address)
+        self.channel_options = list(channel_options)
         self.security = ClientSecurity.resolve(tls=tls, tls_ca=tls_ca, tls_cert=tls_cert, tls_key=tls_key, token=token)
         for address in self.servers:
             self.security.metadata(address)  # refuses a token bound for clear text, now, not mid-epoch
@@ -290,7 +295,7 @@ class Loader:
                 errors = []
                 for k in range(len(self.servers)):
                     address = self.servers[(self.rank + k) % len(self.servers)]
-                    conn = Connection(address, self.security)
+                    conn = Connection(address, self.security, self.channel_options)
                     try:
                         return (await conn.describe(self.options.dataset)).num_rows
                     except grpc.aio.AioRpcError as exc:
@@ -322,7 +327,7 @@ class Loader:
         num_batches: int | None = None
         while num_batches is None or next_batch < num_batches:
             address = self.servers[server_i]
-            conn = Connection(address, self.security)
+            conn = Connection(address, self.security, self.channel_options)
             pending: dict[int, RawBatch] = {}
             try:
                 call = conn.stream(opts.with_(start_batch=next_batch))

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
 
 import grpc
 
@@ -78,12 +79,22 @@ def size_limit_advice(code: grpc.StatusCode, details: str) -> str | None:
     return details  # croupier's own message names the limit
 
 
-def open_channel(address: str, security: ClientSecurity | None = None) -> grpc.aio.Channel:
-    """A TLS channel when `security` says so, else plaintext."""
+def channel_arguments(security: ClientSecurity, extra_options: Sequence[tuple[str, Any]] = ()) -> list[tuple[str, Any]]:
+    """croupier's channel arguments, then `extra_options`, which replace those of the same
+    name (gRPC would keep both, and which one wins is not documented)."""
+    replaced = {name for name, _ in extra_options}
+    ours = CHANNEL_OPTIONS + security.channel_options()
+    return [o for o in ours if o[0] not in replaced] + list(extra_options)
+
+
+def open_channel(address: str, security: ClientSecurity | None = None,
+                 extra_options: Sequence[tuple[str, Any]] = ()) -> grpc.aio.Channel:
+    """A TLS channel when `security` says so, else plaintext. `extra_options` (gRPC
+    channel arguments) replace croupier's own of the same name."""
     check_address(address)
     security = security or ClientSecurity()
     credentials = security.channel_credentials()
-    options = CHANNEL_OPTIONS + security.channel_options()
+    options = channel_arguments(security, extra_options)
     if credentials is None:
         return grpc.aio.insecure_channel(address, options=options)
     return grpc.aio.secure_channel(address, credentials, options=options)
@@ -104,12 +115,13 @@ def transport_hint(security: ClientSecurity, details: str) -> str:
 class Connection:
     """One channel to one server."""
 
-    def __init__(self, address: str, security: ClientSecurity | None = None):
+    def __init__(self, address: str, security: ClientSecurity | None = None,
+                 channel_options: Sequence[tuple[str, Any]] = ()):
         self.address = address
         #: None: from the environment (CROUPIER_TOKEN, CROUPIER_TLS_CA, ...).
         self.security = security if security is not None else ClientSecurity.resolve()
         self.metadata = self.security.metadata(address)
-        self.channel = open_channel(address, self.security)
+        self.channel = open_channel(address, self.security, channel_options)
         self.stub = pb_grpc.CroupierStub(self.channel)
 
     async def describe(self, dataset: str, timeout: float | None = 30.0) -> pb.DatasetInfo:

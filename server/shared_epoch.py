@@ -11,8 +11,8 @@ sample once, keeps completed samples in a window of bounded bytes, and every job
   prefetch`, as alone), so reads run ahead of the fastest job by its prefetch.
 * The window holds the batches [base, cursor). A batch leaves it once every attached
   subscriber that will deliver it has taken all of its samples.
-* Memory: over `window_bytes`, the subscribers holding the window's oldest batch,
-  if others are ahead of them, are detached. A detached subscriber keeps the batches
+* Memory: over `window_bytes`, the subscribers furthest behind (holding the window's
+  oldest batch, while others are ahead of them) are detached, until the window fits. A detached subscriber keeps the batches
   of its horizon it already had (their reads finish into them), drains them, and then
   reads the rest of its stream alone with its own `Dealer`: it never stalls the others.
   When every subscriber is equally far, the window is just their read-ahead: reading
@@ -293,10 +293,15 @@ class SharedEpoch:
         """Over the byte budget, holding more than one batch (one batch always fits: reads move)."""
         if self.window_used <= self.owner.window_bytes or self.cursor - self.base <= 1:
             return False
-        laggards = [s for s in self.attached if s.needs(self.base, self.batches[self.base])]
-        lead = max((s.oldest for s in self.attached), default=0)
-        for sub in laggards:
-            if sub.oldest < lead:
+        # Furthest behind first, then look again: once they leave, the window may fit, and a
+        # job a batch or two out of step with the leader stays in (its reads stay shared).
+        while self.window_used > self.owner.window_bytes and self.cursor - self.base > 1 and self.attached:
+            laggards = [s for s in self.attached if s.needs(self.base, self.batches[self.base])]
+            lead = max(s.oldest for s in self.attached)
+            last = min((s.oldest for s in laggards), default=lead)
+            if last >= lead:
+                break  # all equally far: the window is their read-ahead; reading waits
+            for sub in [s for s in laggards if s.oldest == last]:
                 self.detach(sub)
         return self.window_used > self.owner.window_bytes and self.cursor - self.base > 1
 

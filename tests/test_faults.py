@@ -18,8 +18,9 @@ def test_twenty_replica_kills_and_restarts_over_an_epoch_lose_and_repeat_nothing
     result = faults.replica_churn(tmp_path, kills=20, seed=11, rows=4000)
     assert result.faults == 20
     assert (result.lost, result.duplicated, result.delivered) == (0, 0, 4000), result.summary()
-    # The busier replica died each time: the ranks really lost their streams and moved.
-    assert result.reconnects >= 10, result.summary()
+    # The busier replica died each time, with a stream open: every fault cut a rank's
+    # stream, and the rank moved to the other replica.
+    assert result.reconnects >= 20, result.summary()
 
 
 def test_connections_reset_mid_stream_lose_and_repeat_nothing(tmp_path: Path) -> None:

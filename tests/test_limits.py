@@ -507,6 +507,16 @@ def test_path_datasets_in_use_are_kept_and_idle_ones_close(serve_inprocess, tmp_
 # ---- keepalive and connection age -------------------------------------------------
 
 
+def test_a_loaders_channel_options_replace_croupiers_own() -> None:
+    from croupier.client.wire import channel_arguments
+    from croupier.security import ClientSecurity
+
+    args = channel_arguments(ClientSecurity(), [("grpc.keepalive_time_ms", 1000), ("grpc.http2.bdp_probe", 0)])
+    assert [v for k, v in args if k == "grpc.keepalive_time_ms"] == [1000]
+    assert ("grpc.http2.bdp_probe", 0) in args
+    assert dict(args)["grpc.max_receive_message_length"] == dict(CHANNEL_OPTIONS)["grpc.max_receive_message_length"]
+
+
 def test_the_client_keepalive_is_within_the_server_ping_policy() -> None:
     client = dict(CHANNEL_OPTIONS)
     server = ServerConfig()
@@ -520,18 +530,12 @@ def test_the_loader_resumes_across_a_connection_age_cutover(serve_process, tmp_p
     # The client pings every second, as often as this server allows: no GOAWAY too_many_pings.
     server = serve_process([f"blobs={data}", "--max-connection-age", "0.5", "--max-connection-age-grace", "0.3",
                             "--min-client-ping-interval", "1", "--prefetch", "1"])
-    import croupier.client.wire as wire
-
-    original = list(wire.CHANNEL_OPTIONS)
-    wire.CHANNEL_OPTIONS[:] = [(k, 1000 if k == "grpc.keepalive_time_ms" else v) for k, v in original]
-    try:
-        loader = Loader("blobs", servers=server.address, batch_size=30, retry_backoff_s=0.01, buffer_batches=1)
-        got: list[int] = []
-        for b in loader.batches():
-            got.extend(int(i) for i in b.indices)
-            time.sleep(0.02)  # a slow trainer: 100 batches take over 2 s, several connection ages
-    finally:
-        wire.CHANNEL_OPTIONS[:] = original
+    loader = Loader("blobs", servers=server.address, batch_size=30, retry_backoff_s=0.01, buffer_batches=1,
+                    channel_options=[("grpc.keepalive_time_ms", 1000)])
+    got: list[int] = []
+    for b in loader.batches():
+        got.extend(int(i) for i in b.indices)
+        time.sleep(0.02)  # a slow trainer: 100 batches take over 2 s, several connection ages
     assert sorted(got) == list(range(rows))
     assert loader.stats.reconnects >= 1
     assert not any("too_many_pings" in e or "ENHANCE_YOUR_CALM" in e for e in loader.stats.errors)

@@ -227,11 +227,13 @@ def test_sharing_off_reads_k_times(serve_inprocess, table: Path) -> None:
 
 
 def test_slow_job_detaches_and_never_stalls_the_fast_ones(serve_inprocess, table: Path) -> None:
-    # world 1: 75 batches of 8 rows of 2 KiB per stream; prefetch 2 (a horizon of ~48 KiB)
-    # under a window of 128 KiB, so the two fast jobs keep pace within it.
+    # world 1: 75 batches of 8 rows of 2 KiB (16 KiB) per stream; prefetch 2 (a horizon of
+    # ~48 KiB) under a window of 512 KiB (32 batches): the two fast jobs, in one event loop
+    # here, keep within it even on a loaded machine (128 KiB was not: one fell 7 batches
+    # behind in CI), and the slow one, held at its third batch, leaves it about halfway.
     opts = StreamOptions(dataset="rows", batch_size=8, seed=3, prefetch=2)
     [alone] = _alone(serve_inprocess, table, [opts])
-    server = serve_inprocess(datasets=[f"rows={table}"], shared_window_bytes=128 << 10)
+    server = serve_inprocess(datasets=[f"rows={table}"], shared_window_bytes=512 << 10)
     gated = _install_gate(server, "rows")
     slow_hold = asyncio.Event
     done_fast: list[Received] = []

@@ -30,6 +30,11 @@ from croupier.demo_procs import ServerProcess, free_port, tail
 
 #: Slow enough that an epoch of a few thousand rows spans the faults, on any machine.
 #: This injected latency only paces the run; it measures nothing.
+#: Faults fall at least this many batches (of all ranks) before the epoch's end: a rank
+#: has more of its stream left than the client buffers (buffer_batches, one 64 KiB
+#: window, the server's prefetch), so its stream is still open.
+TAIL = 20
+
 PACED = ["--latency-ms", "3", "--latency-distribution", "fixed", "--max-reads-per-stream", "8", "--prefetch", "1",
          "--grace", "0", "--drain-notice", "0"]
 
@@ -98,8 +103,11 @@ def replica_churn(workdir: Path, *, kills: int = 20, seed: int = 0, rows: int = 
                   log: Callable[[str], None] = lambda s: None) -> FaultResult:
     """Two replicas serve `world` ranks; one of them (the one serving more ranks) is killed
     (SIGKILL or SIGTERM, drawn) at `kills` random points of the epoch and restarted on its
-    port. Rows are large enough (`row_bytes`) that a rank's stream cannot run ahead into
-    the client's buffers and be over before the fault."""
+    port. Rows are large enough (`row_bytes`), and each stream's flow-control window
+    small enough (no BDP probing: 64 KiB), that a rank's stream cannot run ahead into the
+    client's buffers and be over before the fault; the faults fall at least `TAIL`
+    batches before the epoch's end, and each waits until a replica has a stream open, so
+    every one of them cuts live streams."""
     from croupier.client import Loader
 
     rng = random.Random(seed)
@@ -109,7 +117,7 @@ def replica_churn(workdir: Path, *, kills: int = 20, seed: int = 0, rows: int = 
                               name=f"replica{i}").start() for i in range(2)]
     servers = [r.address for r in replicas]
     batches_total = world * -(-rows // (batch_size * world))  # batches of all ranks in the epoch
-    points = sorted(rng.sample(range(2, batches_total - 2), kills))
+    points = sorted(rng.sample(range(2, batches_total - TAIL), kills))
     lock = threading.Condition()
     state = {"done": 0, "limit": points[0] + 2}
 
@@ -123,7 +131,8 @@ def replica_churn(workdir: Path, *, kills: int = 20, seed: int = 0, rows: int = 
             lock.wait_for(lambda: state["done"] < state["limit"], timeout=120)
 
     loaders = [Loader("rows", servers=servers, batch_size=batch_size, rank=r, world_size=world, seed=seed, epoch=1,
-                      retry_backoff_s=0.05, max_retries=200) for r in range(world)]
+                      retry_backoff_s=0.05, max_retries=200, channel_options=[("grpc.http2.bdp_probe", 0)])
+               for r in range(world)]
     ranks = [_Rank(ld, gate, on_batch) for ld in loaders]
     started = time.perf_counter()
     try:
@@ -136,7 +145,15 @@ def replica_churn(workdir: Path, *, kills: int = 20, seed: int = 0, rows: int = 
             if not any(t.is_alive() for t in ranks):
                 break  # they failed (reported below) or finished early
             # The replica serving more ranks dies (ties drawn), so every fault cuts live streams.
-            load = [_open_streams(r) for r in replicas]
+            # No stream open: the ranks whose streams the last fault cut live on their
+            # buffered batches (a Loader reconnects when its buffer has room). Let them
+            # take one more batch at a time until one has reconnected.
+            deadline = time.monotonic() + 30
+            while max(load := [_open_streams(r) for r in replicas]) < 1 and time.monotonic() < deadline:
+                with lock:
+                    state["limit"] = max(state["limit"], state["done"] + 1)
+                    lock.notify_all()
+                time.sleep(0.02)
             victim = replicas[rng.randrange(2) if load[0] == load[1] else load.index(max(load))]
             how = rng.choice(["SIGKILL", "SIGTERM"])
             if victim.proc is not None and victim.proc.poll() is None:

@@ -162,7 +162,8 @@ def markdown(rep: dict[str, Any]) -> str:
               "`../`, absolute paths, thousands of columns) and valid ones, to StreamEpoch, DescribeDataset, "
               "ListDatasets, Health/Check and unknown methods, 32 at a time, each with a 10 s deadline.",
               "- Replica kills (`faults.replica_churn`): two replicas, two ranks; at 20 random points of the "
-              "epoch the replica serving more ranks gets SIGKILL or SIGTERM (drawn) and is restarted on its port.",
+              "epoch (each once a stream is open, 20+ batches before the end) the replica serving more ranks gets "
+              "SIGKILL or SIGTERM (drawn) and is restarted on its port.",
               "- Connection resets (`faults.connection_cuts`): the trainer reads through a loopback TCP proxy "
               "that resets every connection (RST) at 20 random batches.",
               "- Trainer kills (`faults.trainer_kills`): a trainer process saving `Loader.state_dict()` with its "
