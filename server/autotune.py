@@ -362,6 +362,14 @@ class Autotuner:
         self.streams.add(tuner)
         return tuner
 
+    def idle(self, tuner: StreamTuner) -> None:
+        """`tuner`'s stream is read for by a shared epoch's tuner for now: off the gauges
+        and the count of streams sharing --max-reads, until `resume`."""
+        self.streams.discard(tuner)
+
+    def resume(self, tuner: StreamTuner) -> None:
+        self.streams.add(tuner)
+
     def forget(self, tuner: StreamTuner) -> None:
         if tuner in self.streams:
             self.streams.discard(tuner)

@@ -171,7 +171,7 @@ class CroupierService(pb_grpc.CroupierServicer):
         #: Streams of the same rank of the same epoch share reads (server/shared_epoch.py).
         self.shared = SharedEpochs(
             window_bytes=shared_window_bytes, limits=limits, server_reads=self.server_reads,
-            server_buffer=self.server_buffer, executor=executor, observer=metrics.reads,
+            server_buffer=self.server_buffer, executor=executor, observer=metrics.reads, autotuner=autotuner,
         ) if shared_epochs else None
         if self.shared is not None:
             metrics.registry.register(self.shared.stats)

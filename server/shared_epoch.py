@@ -17,6 +17,10 @@ sample once, keeps completed samples in a window of bounded bytes, and every job
   reads the rest of its stream alone with its own `Dealer`: it never stalls the others.
   When every subscriber is equally far, the window is just their read-ahead: reading
   waits, as one stream's `max_buffered_bytes` makes it wait alone.
+* Tuning: with the autotuner on, one tuner per shared epoch sets the cursor's reads in
+  flight and the read-ahead, chunk size and flush delay of the attached subscribers, fed
+  the cursor's read latencies and the mean attached subscriber's sends and waits. Each
+  subscriber's own tuner idles while attached and takes over if it detaches.
 * A job whose start batch already left the window (it joined late), or lies past the
   cursor (it resumes ahead of the others), reads alone from the start.
 * When the last attached subscriber leaves, reading stops at the batch boundary; reads
@@ -47,6 +51,7 @@ from typing import Any
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from .autotune import Autotuner
 from .planner import EpochPlan
 from .readers.base import Reader
 from .readers.latency import TICK_S
@@ -150,7 +155,11 @@ class SharedEpoch:
         self.plan = plan
         self.rank = rank
         self.columns = columns
-        self.limits: FetchLimits = owner.limits
+        #: The cursor's reads in flight and read-ahead, and the subscribers' chunk size and
+        #: flush delay: the tuner's (one per shared epoch), else the server's limits.
+        self.tuner = (owner.autotuner.stream(batch_size=plan.batch_size, name=f"shared {reader.name!r} rank {rank}")
+                      if owner.autotuner is not None else None)
+        self.limits: FetchLimits = owner.limits if self.tuner is None else self.tuner.settings.apply(owner.limits)
         self.sizer = reader.item_sizer(columns)
         self.base = self.cursor = start_batch
         self.batches: dict[int, _Batch] = {}
@@ -188,6 +197,7 @@ class SharedEpoch:
         return "joined"
 
     def join(self, sub: "Subscriber") -> None:
+        sub.follow(self)
         self.attached.append(sub)
         self.listeners.add(sub)
         self.most = max(self.most, len(self.attached))
@@ -205,6 +215,7 @@ class SharedEpoch:
         # Batches it took wholly may have left the window already: they are in its chunks.
         sub.pinned = {b: self.batches[b] for b in range(sub.oldest, hi + 1) if b in self.batches}
         sub.resume_at = max(hi + 1, sub.oldest)
+        sub.unfollow()
         log.info("shared epoch %s: a stream fell behind a full window (%d bytes, at batch %d while the leader "
                  "is at %d) and goes on with its own reads from batch %d; %d stream(s) still share it",
                  self.label, self.window_used, sub.oldest, max((s.oldest for s in self.attached), default=-1),
@@ -243,6 +254,8 @@ class SharedEpoch:
         if self.owner.server_buffer is not None:
             self.owner.server_buffer.forget(self.moved)
         self.timers.cancel_all()
+        if self.tuner is not None:
+            self.tuner.close()
         for task in list(self.tasks):
             task.cancel()
         # Reads that never completed give their slots back.
@@ -322,7 +335,11 @@ class SharedEpoch:
     def _complete(self, rec: _Batch, ref: SampleRef, item: Any, err: BaseException | None, t0: float) -> None:
         if self.closed:
             return
-        self.owner.observer.read_finished(time.perf_counter() - t0, err is None)
+        seconds = time.perf_counter() - t0
+        self.owner.observer.read_finished(seconds, err is None)
+        if self.tuner is not None:
+            self.tuner.lat_sum += seconds
+            self.tuner.done += 1
         self.in_flight -= 1
         if self.owner.server_reads is not None:
             self.owner.server_reads.give()
@@ -378,6 +395,8 @@ class SharedEpoch:
             for pos, (index, pad) in enumerate(zip(indices, padding)):
                 ref = SampleRef(batch, pos, index, pad)
                 while self._no_room():
+                    if self.tuner is not None and self.in_flight >= self.limits.max_reads_per_stream:
+                        self.tuner.bound_hits += 1
                     self.moved.clear()
                     if budget is not None and budget.used > budget.limit:
                         budget.wait_for_room(self.moved)
@@ -401,6 +420,24 @@ class SharedEpoch:
                     self.tasks.add(task)
                     task.add_done_callback(self.tasks.discard)
 
+    def sent(self, samples: int, nbytes: int, starved_s: float, blocked_s: float) -> None:
+        """A subscriber sent a chunk. The tuner sees the mean attached subscriber: the
+        cursor reads for all of them at the pace of one (they keep pace, or detach)."""
+        tuner = self.tuner
+        if tuner is None:
+            return
+        share = 1 / max(1, len(self.attached))
+        tuner.sent += samples * share
+        tuner.sent_bytes += nbytes * share
+        tuner.starved_s += starved_s * share
+        tuner.blocked_s += blocked_s * share
+        settings = tuner.maybe_decide()
+        if settings is not None:
+            self.limits = settings.apply(self.owner.limits)
+            for sub in self.attached:
+                sub.retune(settings.prefetch)
+            self.moved.set()  # a higher bound or a longer read-ahead lets the issuer go on
+
     def _issuer_done(self, task: asyncio.Task[None]) -> None:
         if not task.cancelled() and task.exception() is not None:
             self.error = task.exception()  # the plan failed: every listener raises it
@@ -420,6 +457,7 @@ class SharedEpochs:
         server_buffer: BufferBudget | None = None,
         executor: concurrent.futures.Executor | None = None,
         observer: FetchObserver | None = None,
+        autotuner: Autotuner | None = None,
     ):
         if window_bytes < 1:
             raise ValueError(f"a shared window needs at least 1 byte, got {window_bytes} (--shared-window-mb)")
@@ -429,6 +467,7 @@ class SharedEpochs:
         self.server_buffer = server_buffer
         self.executor = executor
         self.observer = observer or _NoObserver()
+        self.autotuner = autotuner
         self.stats = SharedStats()
         self.open: dict[Hashable, SharedEpoch] = {}
 
@@ -485,6 +524,26 @@ class Subscriber:
         self.pinned: dict[int, _Batch] | None = None
         self.resume_at = self.end
 
+    def follow(self, epoch: SharedEpoch) -> None:
+        """Attached: the epoch's tuner sets the read-ahead (unless the client asked for
+        one), and this stream's own tuner idles until a detach (off the gauges, and not
+        counted against --max-reads while the cursor reads for it)."""
+        tuner = self.dealer.tuner
+        if tuner is not None:
+            if epoch.tuner is not None and "default_prefetch" not in tuner.pinned:
+                self.prefetch = epoch.tuner.settings.prefetch
+            tuner.server.idle(tuner)
+
+    def unfollow(self) -> None:
+        tuner = self.dealer.tuner
+        if tuner is not None:
+            tuner.server.resume(tuner)
+
+    def retune(self, prefetch: int) -> None:
+        tuner = self.dealer.tuner
+        if tuner is not None and "default_prefetch" not in tuner.pinned:
+            self.prefetch = prefetch
+
     def needs(self, batch: int, rec: _Batch) -> bool:
         """Will this subscriber still take samples of `batch`?"""
         return self.start <= batch < self.end and batch >= self.oldest and self.taken.get(batch, 0) < rec.size
@@ -509,7 +568,7 @@ class Subscriber:
     def _take(self, epoch: SharedEpoch, pending: _Pending, limit: int) -> None:
         """Move what the window holds of this subscriber's horizon into `pending`, oldest
         batch first, until the chunk is full."""
-        limits = self.owner.limits
+        limits = epoch.limits
         source = epoch.batches if self.pinned is None else self.pinned
         whole_so_far = True  # every batch before this one is wholly taken
         for b in range(self.oldest, min(self.oldest + self.prefetch + 1, limit)):
@@ -544,10 +603,11 @@ class Subscriber:
 
     async def _shared(self, epoch: SharedEpoch) -> AsyncIterator:
         loop = asyncio.get_running_loop()
-        limits = self.owner.limits
         dealer = self.dealer
         pending = _Pending()
+        starved = 0.0
         while True:
+            limits = epoch.limits
             limit = self.end if self.pinned is None else self.resume_at
             if self.oldest >= limit and not pending.refs:
                 return
@@ -560,12 +620,16 @@ class Subscriber:
                 self.wake.clear()
                 timer = (loop.call_at(loop.time() + max(pending.deadline - time.monotonic(), 0), self.wake.set)
                          if pending.refs else None)
+                w0 = time.perf_counter()
                 await self.wake.wait()
+                starved += time.perf_counter() - w0
                 if timer is not None:
                     timer.cancel()
                 continue
             chunks = await dealer.encode_chunks(pending.refs, pending.items, pending.completed)
+            nbytes = pending.nbytes
             pending = _Pending()
+            w0 = time.perf_counter()
             for chunk in chunks:
                 yield chunk
                 for ref in chunk.refs:
@@ -577,7 +641,9 @@ class Subscriber:
                 self.taken.pop(self.oldest, None)
                 self.oldest += 1
             if self.pinned is None:
+                epoch.sent(sum(len(c.refs) for c in chunks), nbytes, starved, time.perf_counter() - w0)
                 epoch.advanced()
+            starved = 0.0
 
     def _all_taken(self, limit: int) -> bool:
         """Every sample up to `limit` is in a chunk: flush the last one now."""

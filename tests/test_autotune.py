@@ -246,12 +246,14 @@ def test_dealer_keeps_a_pinned_bound() -> None:
 
 # ---- a real server --------------------------------------------------------------------
 
-def test_a_real_server_tunes_a_stream_up_and_shows_it(serve_inprocess) -> None:
+@pytest.mark.parametrize("shared", [True, False], ids=["shared-epoch", "alone"])
+def test_a_real_server_tunes_a_stream_up_and_shows_it(serve_inprocess, shared: bool) -> None:
     from croupier.client.loader import Loader
     from croupier.server.config import LatencySpec
 
-    # A stream reading alone: a shared epoch's cursor reads under the static limits (README).
-    st = serve_inprocess(datasets=["rows=synthetic:4000:64"], metrics_port=0, shared_epochs=False,
+    # Shared epochs on (the default): the shared cursor's tuner reads for the stream;
+    # off: the stream's own.
+    st = serve_inprocess(datasets=["rows=synthetic:4000:64"], metrics_port=0, shared_epochs=shared,
                          latency=LatencySpec(median_ms=5.0, distribution="fixed"))
     seen: list[int] = []
     scraped = ""
@@ -263,9 +265,13 @@ def test_a_real_server_tunes_a_stream_up_and_shows_it(serve_inprocess) -> None:
                 scraped = urllib.request.urlopen(url, timeout=10).read().decode()
     assert sorted(seen) == list(range(4000))
     assert 'croupier_autotune_reads_in_flight{stat="max"}' in scraped
+    # One tuner at work: with a shared epoch, the stream's own idles (off the gauges).
+    assert "croupier_autotune_streams 1.0" in scraped
     tuner = st.running.service.autotuner.recent[-1]
+    assert tuner.name.startswith("shared") == shared
     assert max(s.reads for _, s in tuner.history) > START_READS
     assert tuner.decisions > 0
+    assert not st.running.service.autotuner.streams
 
 
 def test_no_autotune_serves_the_limits_as_given(serve_inprocess) -> None:

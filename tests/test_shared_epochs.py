@@ -304,7 +304,9 @@ def test_resume_within_a_shared_epoch(serve_inprocess, table: Path) -> None:
     resumed = whole.with_(start_batch=5, end_batch=20, prefetch=3)
     ahead = whole.with_(start_batch=30)
     alone = _alone(serve_inprocess, table, [whole, resumed, ahead])
-    server = serve_inprocess(datasets=[f"rows={table}"])
+    # Reads in flight pinned (256): the cursor must issue past batch 5 while the gate
+    # holds every read, before any completion could teach a tuner to grow.
+    server = serve_inprocess(datasets=[f"rows={table}"], autotune_pinned=("max_reads_per_stream",))
     gated = _install_gate(server, "rows")
 
     def cursor() -> int:
