@@ -352,3 +352,17 @@ def test_flags_and_config_keys_pin_what_they_set() -> None:
     assert config.autotune_pinned == ("default_prefetch", "flush_delay_s")
     with pytest.raises(ValueError, match="max_batch_size"):
         config_from_mapping({"autotune_pinned": ["max_batch_size"]})
+
+
+def test_the_benchmark_compares_medians_of_its_rounds() -> None:
+    from croupier.bench.autotune import summarize
+
+    def case(variant: str, rnd: int, rate: float) -> dict:
+        return {"condition": "c", "variant": variant, "round": rnd, "samples_per_s": rate, "settings_over_time": []}
+
+    results = [case("autotuned", 0, 90.0), case("autotuned", 1, 10.0), case("autotuned", 2, 80.0),
+               case("grid reads 1 prefetch 1", 0, 100.0), case("grid reads 1 prefetch 1", 1, 95.0),
+               case("grid reads 1 prefetch 1", 2, 500.0)]
+    [row] = summarize(results)
+    assert (row["autotuned"], row["best_grid"]) == (80.0, 100.0)  # one outlier round each way is ignored
+    assert row["autotuned_rounds"] == [90.0, 10.0, 80.0] and not row["met"]

@@ -131,22 +131,38 @@ def run_one(bench: AutotuneBench, st: Any, cond: Condition, label: str, flags: l
             "warnings": warnings}
 
 
+def _medians(results: list[dict[str, Any]], cond: str) -> dict[str, dict[str, Any]]:
+    """Per variant of `cond`: its median round (by samples/s), with every round's figure."""
+    by: dict[str, list[dict[str, Any]]] = {}
+    for r in results:
+        if r["condition"] == cond:
+            by.setdefault(r["variant"], []).append(r)
+    out = {}
+    for variant, rs in by.items():
+        ranked = sorted(rs, key=lambda r: r["samples_per_s"])
+        out[variant] = {**ranked[(len(ranked) - 1) // 2], "rounds": [r["samples_per_s"] for r in rs]}
+    return out
+
+
 def summarize(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Medians over rounds (the lower middle one for an even count)."""
     rows = []
     for cond in dict.fromkeys(r["condition"] for r in results):
-        rs = {r["variant"]: r for r in results if r["condition"] == cond}
+        rs = _medians(results, cond)
         grid = [r for v, r in rs.items() if v.startswith("grid")]
         best = max(grid, key=lambda r: r["samples_per_s"]) if grid else None
         auto, default = rs.get("autotuned"), rs.get("defaults")
         row: dict[str, Any] = {"condition": cond}
         if auto:
             row["autotuned"] = auto["samples_per_s"]
+            row["autotuned_rounds"] = auto["rounds"]
             last = auto["settings_over_time"][-1] if auto["settings_over_time"] else {}
             row["tuned_reads"], row["tuned_prefetch"] = last.get("reads_in_flight"), last.get("prefetch")
         if default:
             row["defaults"] = default["samples_per_s"]
         if best:
             row["best_grid"], row["best_grid_point"] = best["samples_per_s"], best["variant"]
+            row["best_grid_rounds"] = best["rounds"]
         if auto and best:
             row["autotuned_over_best"] = auto["samples_per_s"] / max(best["samples_per_s"], 1e-9)
             row["met"] = row["autotuned_over_best"] >= 0.9
@@ -171,9 +187,19 @@ def markdown(report: dict[str, Any]) -> str:
                      f"{r.get('best_grid_point', '-')} | {f(r.get('best_grid'))} | {f(r.get('autotuned_over_best'))} | "
                      f"{f(r.get('autotuned_over_defaults'))} | {f(r.get('tuned_reads'))}, {f(r.get('tuned_prefetch'))} | "
                      f"{'yes' if r.get('met') else '**no**'} |")
-    lines += ["", "All cases:", "", "| condition | variant | samples/s | first batch s |", "|---|---|---|---|"]
+    rounds = max((r.get("round", 0) for r in report["results"]), default=0) + 1
+    if rounds > 1:
+        lines += ["", f"Each figure is the median of {rounds} rounds (variants interleaved within a round); "
+                  "every round's samples/s:", "", "| condition | autotuned rounds | best grid point rounds |",
+                  "|---|---|---|"]
+        for r in report["summary"]:
+            lines.append(f"| {r['condition']} | {', '.join(f(float(v)) for v in r.get('autotuned_rounds', []))} | "
+                         f"{', '.join(f(float(v)) for v in r.get('best_grid_rounds', []))} |")
+    lines += ["", "All cases:", "", "| condition | round | variant | samples/s | first batch s |",
+              "|---|---|---|---|---|"]
     for r in report["results"]:
-        lines.append(f"| {r['condition']} | {r['variant']} | {f(r['samples_per_s'])} | {r['first_batch_s']:.2f} |")
+        lines.append(f"| {r['condition']} | {r.get('round', 0) + 1} | {r['variant']} | {f(r['samples_per_s'])} | "
+                     f"{r['first_batch_s']:.2f} |")
     if report.get("plot"):
         lines += ["", f"![tuner settings over time]({report['plot']})"]
     return "\n".join(lines) + "\n"
@@ -188,7 +214,7 @@ def plot(results: list[dict[str, Any]], path: Path) -> Path | None:
         plt = _pyplot()
     except ImportError:
         return None
-    autos = [r for r in results if r["variant"] == "autotuned" and r["settings_over_time"]]
+    autos = [r for r in results if r["variant"] == "autotuned" and r["settings_over_time"] and not r.get("round")]
     if not autos:
         return None
     fig, axes = plt.subplots(1, len(autos), figsize=(4 * len(autos), 3.2), squeeze=False)
@@ -213,6 +239,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--data-dir", default=os.path.join(tempfile.gettempdir(), "croupier-bench-autotune-data"))
     ap.add_argument("--note", default="", help="a line for the report (e.g. 'busy machine')")
     ap.add_argument("--only", default="", help="run only conditions whose name contains this")
+    ap.add_argument("--repeat", type=int, default=1, help="rounds of every variant (interleaved); medians reported")
     args = ap.parse_args(argv)
     bench = quick() if args.quick else full()
     stem = "autotune-quick" if args.quick else "autotune"
@@ -225,15 +252,15 @@ def main(argv: list[str] | None = None) -> int:
         if args.only and args.only not in cond.name:
             continue
         with open_storage(cond, data) as st:
-            for label, flags in bench.variants():
-                print(f"{cond.name}: {label} ...", flush=True)
+            for rnd, (label, flags) in ((n, v) for n in range(max(1, args.repeat)) for v in bench.variants()):
+                print(f"{cond.name}: {label} (round {rnd + 1}) ...", flush=True)
                 try:
                     r = run_one(bench, st, cond, label, flags, log)
                 except Exception as exc:  # one failed case is reported; the rest carry on
                     r = {"condition": cond.name, "variant": label, "flags": flags, "samples_per_s": 0.0,
                          "samples": 0, "first_batch_s": float("nan"), "settings_over_time": [], "error": str(exc)}
                 print(f"  {r['samples_per_s']:,.0f} samples/s", flush=True)
-                results.append(r)
+                results.append({**r, "round": rnd})
     report = {"mode": "quick" if args.quick else "full", "command": "python -m croupier.bench.autotune "
               + " ".join(argv if argv is not None else sys.argv[1:]),
               "date": datetime.datetime.now().isoformat(timespec="seconds"), "load": list(os.getloadavg()),
