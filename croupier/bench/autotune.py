@@ -238,18 +238,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default="benchmarks/results", help="folder for autotune[-quick].{json,md,png}")
     ap.add_argument("--data-dir", default=os.path.join(tempfile.gettempdir(), "croupier-bench-autotune-data"))
     ap.add_argument("--note", default="", help="a line for the report (e.g. 'busy machine')")
-    ap.add_argument("--only", default="", help="run only conditions whose name contains this")
+    ap.add_argument("--only", default="", help="run only conditions whose name contains one of these "
+                    "(comma-separated)")
+    ap.add_argument("--stem", default="", help="report file names (default autotune or autotune-quick)")
     ap.add_argument("--repeat", type=int, default=1, help="rounds of every variant (interleaved); medians reported")
     args = ap.parse_args(argv)
     bench = quick() if args.quick else full()
-    stem = "autotune-quick" if args.quick else "autotune"
+    stem = args.stem or ("autotune-quick" if args.quick else "autotune")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     data = ensure_data(Path(args.data_dir) / ("quick" if args.quick else "full"), bench.data)
     log = Path(tempfile.gettempdir()) / f"croupier-bench-{stem}-server.log"
     results = []
     for cond in bench.conditions:
-        if args.only and args.only not in cond.name:
+        if args.only and not any(o.strip() and o.strip() in cond.name for o in args.only.split(",")):
             continue
         with open_storage(cond, data) as st:
             for rnd, (label, flags) in ((n, v) for n in range(max(1, args.repeat)) for v in bench.variants()):
