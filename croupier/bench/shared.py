@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import datetime
 import json
 import multiprocessing as mp
 import os
@@ -170,6 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--data-dir", default=os.path.join(tempfile.gettempdir(), "croupier-bench-shared"))
     p.add_argument("--out", default="benchmarks/results/shared")
     p.add_argument("--timeout", type=float, default=1800)
+    p.add_argument("--note", default="", help="a line for the report (e.g. 'busy machine')")
     args = p.parse_args(argv)
     if args.quick:
         args.rows, args.ks = min(args.rows, 4000), "1,2,4"
@@ -204,7 +206,17 @@ def main(argv: list[str] | None = None) -> int:
               "rows": args.rows, "row_bytes": args.row_bytes, "batch_size": args.batch_size,
               "cpus": os.cpu_count(), "results": rows}
     (out / "shared.json").write_text(json.dumps(report, indent=1))
-    (out / "shared.md").write_text(table(rows) + "\n")
+    command = "python -m croupier.bench.shared " + " ".join(argv if argv is not None else sys.argv[1:])
+    head = [f"# Shared epochs: K identical jobs, one server ({datetime.date.today().isoformat()})", "",
+            f"Command: `{command}`", "",
+            f"{args.rows:,} rows of {args.row_bytes:,} bytes (Arrow IPC), batch {args.batch_size}, "
+            f"{args.ranks} rank(s) per job, {os.cpu_count()} CPUs shared by the server, the jobs and the "
+            f"storage; fuse: latencyfs, lognormal median {args.latency_ms:g} ms sigma 0.5, pages evicted "
+            "before each K; pagecache: the plain files, read into the page cache first. Goal: reads per "
+            "delivered sample 1/K while the jobs keep pace.", ""]
+    if args.note:
+        head += [args.note, ""]
+    (out / "shared.md").write_text("\n".join(head) + table(rows) + "\n")
     print(table(rows))
     return 0
 
