@@ -216,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
             "delivered sample 1/K while the jobs keep pace.", ""]
     if args.note:
         head += [args.note, ""]
-    (out / "shared.md").write_text("\n".join(head) + table(rows) + "\n")
+    (out / "shared.md").write_text("\n".join(head) + "\n" + table(rows) + "\n")
     print(table(rows))
     return 0
 
