@@ -4,8 +4,9 @@ Method: a feedback controller per stream, not a search. Every decision period (a
 round of reads: `max(MIN_COMPLETIONS, reads / 2)` completions and MIN_PERIOD_S, or
 MAX_PERIOD_S) the
 Dealer hands over plain counters: read latencies, samples sent, time its sender waited
-for reads (the client is waiting on us) or for the client (the client is the slow side),
-how often the issuer hit the in-flight bound, and the event loop's CPU time.
+for reads (the client is waiting on us; a client that is the slow side shows as a sender
+that never waits and an issuer the bound never holds), how often the issuer hit the
+in-flight bound, and the event loop's CPU time.
 
 * Reads in flight follow Little's law: to sustain the rate the client drains at with
   reads that take L seconds, `rate x L` reads must be in flight; the target is that times
@@ -117,7 +118,6 @@ class StreamTuner:
         self.sent = 0
         self.sent_bytes = 0
         self.starved_s = 0.0
-        self.blocked_s = 0.0
         self.bound_hits = 0
         # Controller state.
         self.latency_s: float | None = None
@@ -216,7 +216,7 @@ class StreamTuner:
         self.decisions += 1
         self.server.decisions += 1
         self.done = self.sent = self.sent_bytes = self.bound_hits = 0
-        self.lat_sum = self.starved_s = self.blocked_s = 0.0
+        self.lat_sum = self.starved_s = 0.0
         self._t, self._cpu = now, cpu
         self._next_done = max(MIN_COMPLETIONS, new.reads // 2)
         if new == old:

@@ -629,14 +629,12 @@ class Dealer:
                 chunks = await self._encode(pending)
                 sent_bytes = pending.nbytes
                 pending = _Pending()
-                w0 = perf()
                 for chunk in chunks:
                     yield chunk
                     for ref in chunk.refs:
                         unsent[ref.batch] -= 1
                 state["buffered"] -= sent_bytes
                 if tuner is not None:
-                    tuner.blocked_s += perf() - w0
                     tuner.sent += sum(len(c.refs) for c in chunks)
                     tuner.sent_bytes += sent_bytes
                     settings = tuner.maybe_decide()

@@ -420,7 +420,7 @@ class SharedEpoch:
                     self.tasks.add(task)
                     task.add_done_callback(self.tasks.discard)
 
-    def sent(self, samples: int, nbytes: int, starved_s: float, blocked_s: float) -> None:
+    def sent(self, samples: int, nbytes: int, starved_s: float) -> None:
         """A subscriber sent a chunk. The tuner sees the mean attached subscriber: the
         cursor reads for all of them at the pace of one (they keep pace, or detach)."""
         tuner = self.tuner
@@ -430,7 +430,6 @@ class SharedEpoch:
         tuner.sent += samples * share
         tuner.sent_bytes += nbytes * share
         tuner.starved_s += starved_s * share
-        tuner.blocked_s += blocked_s * share
         settings = tuner.maybe_decide()
         if settings is not None:
             self.limits = settings.apply(self.owner.limits)
@@ -528,11 +527,10 @@ class Subscriber:
         """Attached: the epoch's tuner sets the read-ahead (unless the client asked for
         one), and this stream's own tuner idles until a detach (off the gauges, and not
         counted against --max-reads while the cursor reads for it)."""
-        tuner = self.dealer.tuner
-        if tuner is not None:
-            if epoch.tuner is not None and "default_prefetch" not in tuner.pinned:
-                self.prefetch = epoch.tuner.settings.prefetch
-            tuner.server.idle(tuner)
+        if epoch.tuner is not None:
+            self.retune(epoch.tuner.settings.prefetch)
+        if self.dealer.tuner is not None:
+            self.dealer.tuner.server.idle(self.dealer.tuner)
 
     def unfollow(self) -> None:
         tuner = self.dealer.tuner
@@ -629,7 +627,6 @@ class Subscriber:
             chunks = await dealer.encode_chunks(pending.refs, pending.items, pending.completed)
             nbytes = pending.nbytes
             pending = _Pending()
-            w0 = time.perf_counter()
             for chunk in chunks:
                 yield chunk
                 for ref in chunk.refs:
@@ -641,7 +638,7 @@ class Subscriber:
                 self.taken.pop(self.oldest, None)
                 self.oldest += 1
             if self.pinned is None:
-                epoch.sent(sum(len(c.refs) for c in chunks), nbytes, starved, time.perf_counter() - w0)
+                epoch.sent(sum(len(c.refs) for c in chunks), nbytes, starved)
                 epoch.advanced()
             starved = 0.0
 

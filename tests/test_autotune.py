@@ -61,7 +61,6 @@ class Model:
         client_bound = rate >= self.demand
         tuner.bound_hits += 0 if client_bound else 10
         tuner.starved_s += 0.0 if client_bound else 0.5 * period_s
-        tuner.blocked_s += 0.8 * period_s if client_bound else 0.0
         clock.t += period_s
         clock.cpu += (1.0 if rate == self.cpu_cap and self.cap_is_loop else self.loop_busy) * period_s
 

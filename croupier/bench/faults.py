@@ -30,13 +30,13 @@ from croupier.demo_procs import ServerProcess, free_port, tail
 
 #: Slow enough that an epoch of a few thousand rows spans the faults, on any machine.
 #: This injected latency only paces the run; it measures nothing.
+PACED = ["--latency-ms", "3", "--latency-distribution", "fixed", "--max-reads-per-stream", "8", "--prefetch", "1",
+         "--grace", "0", "--drain-notice", "0"]
+
 #: Faults fall at least this many batches (of all ranks) before the epoch's end: a rank
 #: has more of its stream left than the client buffers (buffer_batches, one 64 KiB
 #: window, the server's prefetch), so its stream is still open.
 TAIL = 20
-
-PACED = ["--latency-ms", "3", "--latency-distribution", "fixed", "--max-reads-per-stream", "8", "--prefetch", "1",
-         "--grace", "0", "--drain-notice", "0"]
 
 
 @dataclass
