@@ -14,9 +14,12 @@ in-flight bound, and the event loop's CPU time.
   the bound's own (rate = reads / L), so the target is 2x the bound: it grows
   geometrically (x1.5 to x2 a step) until the client, the CPU or the storage is the
   limit. The period after a change is not measured (the new bound is filling). Growth
-  that twice in a row does not raise the rate by 10% caps the bound at 1.25x the last
-  level that paid (a plateau: CPU or storage bound, where more reads only queue); a
-  saturated event loop holds it. "Held back by the bound" means hit, with the sender
+  that twice in a row does not raise the rate by 10%, while the stream was held back or
+  each read got 25% slower (Little's law: the added reads only queued, in our process or
+  the storage's), caps the bound at 1.25x the last level that paid: a plateau, CPU or
+  storage bound. Without the latency test, a CPU-bound machine whose client takes all it
+  makes would chase its own queueing (latency grows with the bound, so rate x latency
+  does) up to the ceiling. A saturated event loop holds the bound. "Held back by the bound" means hit, with the sender
   starving and reads in flight (Little's law on completions) near the bound on average.
   Shrinking waits for three periods in a row that ask for under half the bound, and
   halves at most: a slow client frees memory without the setting hunting.
@@ -72,6 +75,8 @@ SHRINK_AFTER = 3
 #: Growth must raise the drain rate by this much, or it counts towards a plateau.
 PLATEAU_GAIN = 1.1
 PLATEAU_STRIKES = 2
+#: After growth with a flat rate, latency up by this factor means the new reads only queued.
+QUEUED_LATENCY = 1.25
 #: Event-loop thread busy this share of a period: hold, more reads would only queue.
 LOOP_SATURATED = 0.9
 CHUNK_TIME_S = 0.004
@@ -128,7 +133,8 @@ class StreamTuner:
         self.cap: int | None = None
         self._cap_latency = 0.0
         self._strikes = 0
-        self._grew_from: tuple[int, float] | None = None  # (reads, rate) before the last growth
+        self._grew_from: tuple[int, float, float] | None = None  # (reads, rate, latency) before the last growth
+        self._paid: tuple[int, float] | None = None  # (reads, latency) at the last growth that raised the rate
         self._shrink_votes = 0
         self._hold = False
         self._chunk_vote: int | None = None
@@ -239,17 +245,26 @@ class StreamTuner:
             self.cap, self._strikes = None, 0  # the storage changed: learn its plateau again
         # Did the last growth pay? Measured on this period, the first at the new bound.
         if self._grew_from is not None:
-            before_reads, before_rate = self._grew_from
+            before_reads, before_rate, before_lat = self._grew_from
             self._grew_from = None
-            if supply_bound and rate < before_rate * PLATEAU_GAIN:
+            flat = rate < before_rate * PLATEAU_GAIN
+            # Queueing: more reads in flight, the same rate, each read slower (Little's law).
+            # Latency measured under it grows with the bound, so the target (rate x latency)
+            # would chase it to the ceiling; a held-back stream whose rate stays flat is the
+            # same plateau seen from the sender.
+            queued = flat and lat >= before_lat * QUEUED_LATENCY
+            if (supply_bound and flat) or queued:
                 self._strikes += 1
                 if self._strikes >= PLATEAU_STRIKES:
                     # Back to just above the last level that paid: more only queued.
-                    self.cap, self._cap_latency = max(MIN_READS, int(before_reads * 1.25)), lat
+                    paid_reads, paid_lat = self._paid or (before_reads, before_lat)
+                    self.cap, self._cap_latency = max(MIN_READS, int(paid_reads * 1.25)), paid_lat
                     self._strikes = 0
                     return self._changed(min(cur, self.cap, ceiling))
                 return cur  # once may be noise: hold, and try growing again next period
             self._strikes = 0
+            if not flat:
+                self._paid = (cur, lat)
         needed = rate * lat * HEADROOM
         want = needed
         if supply_bound and loop_busy < LOOP_SATURATED:
@@ -263,7 +278,7 @@ class StreamTuner:
             return self._changed(ceiling)
         if want_i >= cur * 1.25:
             self._shrink_votes = 0
-            self._grew_from = (cur, rate)
+            self._grew_from = (cur, rate, lat)
             return self._changed(min(want_i, 2 * cur))
         if want_i <= cur * 0.5:
             self._shrink_votes += 1

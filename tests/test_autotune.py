@@ -127,6 +127,21 @@ def test_storage_that_stops_scaling_caps_growth_at_its_plateau() -> None:
     assert run(tuner, clock, model, 100) == 0
 
 
+def test_reads_that_only_queue_do_not_chase_their_own_latency_to_the_ceiling() -> None:
+    # A CPU-bound machine: 3,000 samples/s whatever the bound, which is also all the client
+    # takes, so the sender never looks held back. Every read above 60 (3,000/s x 20 ms) only
+    # queues, and the latency measured grows with the bound: rate x latency x HEADROOM would
+    # ask for twice the bound every period (the S3 case of the real suite at 762e443).
+    _, tuner, clock = make()
+    model = Model(0.02, 3_000, cpu_cap=3_000, cap_is_loop=False)
+    trace: list[int] = []
+    run(tuner, clock, model, 40, trace)
+    assert tuner.cap is not None
+    assert 60 <= tuner.settings.reads <= 4 * 60
+    assert max(trace) <= 16 * 60
+    assert run(tuner, clock, model, 100) == 0
+
+
 def test_a_client_that_slows_down_frees_reads_gradually() -> None:
     _, tuner, clock = make()
     run(tuner, clock, Model(0.005, 40_000), 10)
