@@ -10,7 +10,9 @@ in-flight bound, and the event loop's CPU time.
 
 * Reads in flight follow Little's law: to sustain the rate the client drains at with
   reads that take L seconds, `rate x L` reads must be in flight; the target is that times
-  HEADROOM (2). While the issuer is held by the bound and the sender starves, the rate is
+  HEADROOM (2). L is the storage's own latency, the lowest period mean of the last 30 s:
+  a period's mean also holds queueing (a busy CPU, our pools, the storage's queue), which
+  grows with the reads in flight, so a target on it would chase itself upwards. While the issuer is held by the bound and the sender starves, the rate is
   the bound's own (rate = reads / L), so the target is 2x the bound: it grows
   geometrically (x1.5 to x2 a step) until the client, the CPU or the storage is the
   limit. The period after a change is not measured (the new bound is filling). Growth
@@ -19,7 +21,10 @@ in-flight bound, and the event loop's CPU time.
   the storage's), caps the bound at 1.25x the last level that paid: a plateau, CPU or
   storage bound. Without the latency test, a CPU-bound machine whose client takes all it
   makes would chase its own queueing (latency grows with the bound, so rate x latency
-  does) up to the ceiling. A saturated event loop holds the bound. "Held back by the bound" means hit, with the sender
+  does) up to the ceiling. The cap is lifted when, for three periods in a row, the stream
+  is held back at it while reads take no more than 1.25x the storage's own latency (the
+  load it was learnt under has gone), or when that latency changes 2x. A saturated event
+  loop holds the bound. "Held back by the bound" means hit, with the sender
   starving and reads in flight (Little's law on completions) near the bound on average.
   Shrinking waits for three periods in a row that ask for under half the bound, and
   halves at most: a slow client frees memory without the setting hunting.
@@ -77,6 +82,11 @@ PLATEAU_GAIN = 1.1
 PLATEAU_STRIKES = 2
 #: After growth with a flat rate, latency up by this factor means the new reads only queued.
 QUEUED_LATENCY = 1.25
+#: The storage's own latency is the lowest period mean over this long (and this many periods).
+BASE_WINDOW_S = 30.0
+#: Periods in a row held back at the cap with reads at the storage's own latency that lift it.
+CAP_LIFT_AFTER = 3
+BASE_PERIODS = 2000
 #: Event-loop thread busy this share of a period: hold, more reads would only queue.
 LOOP_SATURATED = 0.9
 CHUNK_TIME_S = 0.004
@@ -131,10 +141,13 @@ class StreamTuner:
         self.decisions = 0
         self.changes = 0
         self.cap: int | None = None
-        self._cap_latency = 0.0
+        self._cap_base = 0.0
+        self._unqueued = 0  # periods in a row held back at the cap with no queueing
+        #: (time, mean read latency) of recent periods: their minimum is the storage's own latency.
+        self._latencies: collections.deque[tuple[float, float]] = collections.deque(maxlen=BASE_PERIODS)
         self._strikes = 0
         self._grew_from: tuple[int, float, float] | None = None  # (reads, rate, latency) before the last growth
-        self._paid: tuple[int, float] | None = None  # (reads, latency) at the last growth that raised the rate
+        self._paid: int | None = None  # reads at the last growth that raised the rate
         self._shrink_votes = 0
         self._hold = False
         self._chunk_vote: int | None = None
@@ -200,6 +213,8 @@ class StreamTuner:
         lat = self.lat_sum / self.done if self.done else self.latency_s or 0.0
         rate = self.sent / elapsed
         self.latency_s = lat if self.latency_s is None else 0.5 * self.latency_s + 0.5 * lat
+        if self.done:
+            self._latencies.append((now, lat))
         self.rate = rate if self.rate is None else 0.5 * self.rate + 0.5 * rate
         if self.sent:
             b = self.sent_bytes / self.sent
@@ -212,13 +227,18 @@ class StreamTuner:
         supply_bound = self.bound_hits > 0 and starved >= 0.05 and in_flight >= 0.6 * old.reads
         new = old
         if "max_reads_per_stream" not in self.pinned:
-            new = dataclasses.replace(new, reads=self._reads(old.reads, rate, supply_bound, loop_busy))
+            new = dataclasses.replace(new, reads=self._reads(old.reads, rate, supply_bound, loop_busy, now))
         if "default_prefetch" not in self.pinned:
             new = dataclasses.replace(new, prefetch=self._prefetch_for(new.reads))
         if "chunk_samples" not in self.pinned:
             new = dataclasses.replace(new, chunk_samples=self._chunk(old.chunk_samples))
         if "flush_delay_s" not in self.pinned:
             new = dataclasses.replace(new, flush_delay_s=self._flush(old.flush_delay_s, new.chunk_samples, starved))
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("autotune %s: period %.3f s: %d reads done, latency %.1f ms (smoothed %.1f), %.0f samples/s, "
+                      "in flight %.0f of %d, bound hit %d, sender waited %.0f%%, loop busy %.0f%%; cap %s -> reads %d",
+                      self.name, elapsed, self.done, 1000 * lat, 1000 * self.latency_s, rate, in_flight, old.reads,
+                      self.bound_hits, 100 * starved, 100 * loop_busy, self.cap, new.reads)
         self.decisions += 1
         self.server.decisions += 1
         self.done = self.sent = self.sent_bytes = self.bound_hits = 0
@@ -235,14 +255,31 @@ class StreamTuner:
         self._log(now, old, new, rate, starved)
         return new
 
-    def _reads(self, cur: int, rate: float, supply_bound: bool, loop_busy: float) -> int:
+    def base_latency(self, now: float) -> float:
+        """The storage's own read latency: the lowest period mean of the last BASE_WINDOW_S.
+        A period's mean includes queueing (in our process, on a busy CPU, in the storage),
+        which grows with the reads in flight; the lowest recent one is the least of it."""
+        while len(self._latencies) > 1 and now - self._latencies[0][0] > BASE_WINDOW_S:
+            self._latencies.popleft()
+        return min((lat for _, lat in self._latencies), default=self.latency_s or 0.0)
+
+    def _reads(self, cur: int, rate: float, supply_bound: bool, loop_busy: float, now: float) -> int:
         lat = self.latency_s or 0.0
+        base = self.base_latency(now)
         ceiling = self.ceiling()
         if self._hold:  # the period right after a change fills the new bound: not a measurement
             self._hold = False
             return min(cur, ceiling)
-        if self.cap is not None and not 0.5 <= lat / max(self._cap_latency, 1e-9) <= 2.0:
+        if self.cap is not None and not 0.5 <= base / max(self._cap_base, 1e-9) <= 2.0:
             self.cap, self._strikes = None, 0  # the storage changed: learn its plateau again
+        if self.cap is not None and cur >= self.cap and supply_bound and lat <= base * QUEUED_LATENCY:
+            # Held back at the cap, yet reads take the storage's own time: nothing queues now
+            # (the plateau was learnt under a load that has gone), so growth may pay again.
+            self._unqueued += 1
+            if self._unqueued >= CAP_LIFT_AFTER:
+                self.cap, self._strikes, self._unqueued = None, 0, 0
+        else:
+            self._unqueued = 0
         # Did the last growth pay? Measured on this period, the first at the new bound.
         if self._grew_from is not None:
             before_reads, before_rate, before_lat = self._grew_from
@@ -257,15 +294,17 @@ class StreamTuner:
                 self._strikes += 1
                 if self._strikes >= PLATEAU_STRIKES:
                     # Back to just above the last level that paid: more only queued.
-                    paid_reads, paid_lat = self._paid or (before_reads, before_lat)
-                    self.cap, self._cap_latency = max(MIN_READS, int(paid_reads * 1.25)), paid_lat
+                    paid_reads = self._paid or before_reads
+                    self.cap, self._cap_base = max(MIN_READS, int(paid_reads * 1.25)), base
                     self._strikes = 0
                     return self._changed(min(cur, self.cap, ceiling))
                 return cur  # once may be noise: hold, and try growing again next period
             self._strikes = 0
             if not flat:
-                self._paid = (cur, lat)
-        needed = rate * lat * HEADROOM
+                self._paid = cur
+        # Little's law on the storage's own latency, not the queued one: reads beyond what
+        # that sustains only wait longer (a stream the bound really holds back grows below).
+        needed = rate * base * HEADROOM
         want = needed
         if supply_bound and loop_busy < LOOP_SATURATED:
             want = max(needed, cur * 1.5)

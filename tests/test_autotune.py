@@ -136,10 +136,37 @@ def test_reads_that_only_queue_do_not_chase_their_own_latency_to_the_ceiling() -
     model = Model(0.02, 3_000, cpu_cap=3_000, cap_is_loop=False)
     trace: list[int] = []
     run(tuner, clock, model, 40, trace)
-    assert tuner.cap is not None
     assert 60 <= tuner.settings.reads <= 4 * 60
-    assert max(trace) <= 16 * 60
+    assert max(trace) <= 8 * 60
     assert run(tuner, clock, model, 100) == 0
+    assert tuner.base_latency(clock.t) == pytest.approx(0.02)
+
+
+def test_storage_that_gets_slower_gets_more_reads_in_flight() -> None:
+    # The storage's latency goes from 5 ms to 20 ms for good: a client that takes all it
+    # gets is held back by the bound, so the bound grows, though the lowest latency of the
+    # last 30 s still says 5 ms; once that window has passed, Little's law says 20 ms too.
+    _, tuner, clock = make()
+    run(tuner, clock, Model(0.005, 20_000), 20)
+    fast = tuner.settings.reads
+    assert fast <= 4 * 100 + START_READS
+    run(tuner, clock, Model(0.020, 20_000), 20)
+    assert tuner.settings.reads >= 400  # 20,000/s x 20 ms
+    run(tuner, clock, Model(0.020, 20_000), 1000)
+    assert tuner.base_latency(clock.t) == pytest.approx(0.02)
+    assert 400 <= tuner.settings.reads <= 4 * 400
+
+
+def test_a_plateau_learnt_under_a_passing_load_is_lifted_once_reads_stop_queueing() -> None:
+    # Startup: the machine is busy elsewhere and 1,000 samples/s is all it serves, so the
+    # tuner caps the bound; then the load goes, reads take the storage's own 20 ms again,
+    # and the client, held back at the cap, must get Little's law's 400 reads after all.
+    _, tuner, clock = make()
+    run(tuner, clock, Model(0.02, float("inf"), cpu_cap=1_000, cap_is_loop=False), 20)
+    assert tuner.cap is not None and tuner.settings.reads <= 4 * 20
+    run(tuner, clock, Model(0.02, 20_000), 30)
+    assert tuner.cap is None
+    assert tuner.settings.reads >= 400
 
 
 def test_a_client_that_slows_down_frees_reads_gradually() -> None:
