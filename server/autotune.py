@@ -10,9 +10,10 @@ in-flight bound, and the event loop's CPU time.
 
 * Reads in flight follow Little's law: to sustain the rate the client drains at with
   reads that take L seconds, `rate x L` reads must be in flight; the target is that times
-  HEADROOM (2). L is the storage's own latency, the lowest period mean of the last 30 s:
-  a period's mean also holds queueing (a busy CPU, our pools, the storage's queue), which
-  grows with the reads in flight, so a target on it would chase itself upwards. While the issuer is held by the bound and the sender starves, the rate is
+  HEADROOM (2). L is the storage's own latency: the smoothed period mean, but at most
+  1.25x the lowest period mean of the last 30 s. A period's mean also holds queueing (a
+  busy CPU, our pools, the storage's queue), which grows with the reads in flight, so a
+  target on it alone would chase itself upwards. While the issuer is held by the bound and the sender starves, the rate is
   the bound's own (rate = reads / L), so the target is 2x the bound: it grows
   geometrically (x1.5 to x2 a step) until the client, the CPU or the storage is the
   limit. The period after a change is not measured (the new bound is filling). Growth
@@ -304,7 +305,9 @@ class StreamTuner:
                 self._paid = cur
         # Little's law on the storage's own latency, not the queued one: reads beyond what
         # that sustains only wait longer (a stream the bound really holds back grows below).
-        needed = rate * base * HEADROOM
+        # The mean is used while it stays within 1.25x the lowest (a lognormal storage's
+        # lowest period mean sits under its mean); past that, the rest is queueing.
+        needed = rate * min(lat, base * QUEUED_LATENCY) * HEADROOM
         want = needed
         if supply_bound and loop_busy < LOOP_SATURATED:
             want = max(needed, cur * 1.5)
