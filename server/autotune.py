@@ -31,10 +31,6 @@ in-flight bound, and the event loop's CPU time.
   halves at most: a slow client frees memory without the setting hunting.
 * Read-ahead (prefetch, in batches) keeps twice the in-flight bound in the window, so a
   batch waiting on its slowest read does not drain the pipeline.
-* Cheap reads (the storage's own latency under 1 ms, until it passes 4 ms: the page
-  cache) skip all of the
-  above: the window is 5 batches (prefetch 4), all of it in flight. Nothing waits there,
-  every setting is CPU-bound, and issuing the whole window at once batches completions.
 * Chunk samples follow the drain rate (about CHUNK_TIME_S of samples per message, a
   power of two, within the chunk byte limit): fewer, larger messages for a fast client.
   The flush delay is the time to half fill a chunk, shortened to 2 ms while the client
@@ -89,14 +85,6 @@ PLATEAU_STRIKES = 2
 QUEUED_LATENCY = 1.25
 #: The storage's own latency is the lowest period mean over this long (and this many periods).
 BASE_WINDOW_S = 30.0
-#: Reads faster than this (the page cache) are cheap: a window of CHEAP_WINDOW_BATCHES
-#: batches (prefetch 4), all of it in flight. The grid at page cache put such settings first
-#: (reads >= the window, prefetch 4: 14,800-16,100 samples/s, against 11,700 at 16 or 64
-#: reads, medians of 3).
-CHEAP_READ_S = 0.001
-#: ... and stay cheap until the storage's own latency passes this.
-CHEAP_LEAVE_S = 0.004
-CHEAP_WINDOW_BATCHES = 5
 #: Periods in a row held back at the cap with reads at the storage's own latency that lift it.
 CAP_LIFT_AFTER = 3
 BASE_PERIODS = 2000
@@ -156,7 +144,6 @@ class StreamTuner:
         self.cap: int | None = None
         self._cap_base = 0.0
         self._unqueued = 0  # periods in a row held back at the cap with no queueing
-        self._cheap = False  # reads take (almost) no time: keep the whole window in flight
         #: (time, mean read latency) of recent periods: their minimum is the storage's own latency.
         self._latencies: collections.deque[tuple[float, float]] = collections.deque(maxlen=BASE_PERIODS)
         self._strikes = 0
@@ -205,8 +192,6 @@ class StreamTuner:
         return max(1, min(top, self.server.max_reads))
 
     def _prefetch_for(self, reads: int) -> int:
-        if self._cheap:  # the window is what is in flight
-            return max(2, min(self.server.limits.max_prefetch, math.ceil(reads / self.batch_size) - 1))
         return max(2, min(self.server.limits.max_prefetch, math.ceil(HEADROOM * reads / self.batch_size)))
 
     # ---- the period -----------------------------------------------------------------
@@ -286,14 +271,6 @@ class StreamTuner:
         if self._hold:  # the period right after a change fills the new bound: not a measurement
             self._hold = False
             return min(cur, ceiling)
-        # Hysteresis: a full window in flight makes each read wait longer on a busy loop.
-        self._cheap = 0 < base < (CHEAP_LEAVE_S if self._cheap else CHEAP_READ_S)
-        if self._cheap:
-            # Reads that take no time (the page cache) cost nothing to hold in flight, and
-            # issuing a whole window at once batches their completions on the event loop:
-            # the CPU-bound case runs fastest with a short window, all of it in flight.
-            target = min(CHEAP_WINDOW_BATCHES * self.batch_size, ceiling)
-            return cur if target == cur else self._changed(target)
         if self.cap is not None and not 0.5 <= base / max(self._cap_base, 1e-9) <= 2.0:
             self.cap, self._strikes = None, 0  # the storage changed: learn its plateau again
         if self.cap is not None and cur >= self.cap and supply_bound and lat <= base * QUEUED_LATENCY:

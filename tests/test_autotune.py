@@ -169,24 +169,6 @@ def test_a_plateau_learnt_under_a_passing_load_is_lifted_once_reads_stop_queuein
     assert tuner.settings.reads >= 400
 
 
-def test_cheap_reads_keep_a_short_window_all_in_flight() -> None:
-    # The page cache: reads take 0.1 ms and a CPU-bound client takes 13,000/s. Little's law
-    # would ask for 3 reads; the whole window of 5 batches (prefetch 4) goes out at once.
-    _, tuner, clock = make(batch_size=64)
-    run(tuner, clock, Model(0.0001, 13_000), 10)
-    assert (tuner.settings.reads, tuner.settings.prefetch) == (5 * 64, 4)
-    assert run(tuner, clock, Model(0.0001, 13_000), 100) <= 2  # a chunk or flush refinement
-    # ... within every bound: a client's prefetch of 1 still holds it to two batches
-    _, tuner, clock = make(batch_size=64, requested_prefetch=1)
-    run(tuner, clock, Model(0.0001, 13_000), 10)
-    assert tuner.settings.reads <= 2 * 64 and tuner.settings.prefetch == 1
-    # ... and storage that turns slow (the cache evicted) leaves it, once its latency shows
-    _, tuner, clock = make(batch_size=64)
-    run(tuner, clock, Model(0.0001, 13_000), 10)
-    run(tuner, clock, Model(0.020, 100_000), 2000)
-    assert tuner.settings.reads >= 100_000 * 0.020 and tuner.settings.prefetch > 4
-
-
 def test_a_client_that_slows_down_frees_reads_gradually() -> None:
     _, tuner, clock = make()
     run(tuner, clock, Model(0.005, 40_000), 10)
