@@ -13,7 +13,8 @@ in-flight bound, and the event loop's CPU time.
   HEADROOM (2). L is the storage's own latency: the smoothed period mean, but at most
   1.25x the lowest period mean of the last 30 s. A period's mean also holds queueing (a
   busy CPU, our pools, the storage's queue), which grows with the reads in flight, so a
-  target on it alone would chase itself upwards. While the issuer is held by the bound and the sender starves, the rate is
+  target on it alone would chase itself upwards. While the issuer is held by the bound
+  and the sender starves, the rate is
   the bound's own (rate = reads / L), so the target is 2x the bound: it grows
   geometrically (x1.5 to x2 a step) until the client, the CPU or the storage is the
   limit. The period after a change is not measured (the new bound is filling). Growth
@@ -85,9 +86,9 @@ PLATEAU_STRIKES = 2
 QUEUED_LATENCY = 1.25
 #: The storage's own latency is the lowest period mean over this long (and this many periods).
 BASE_WINDOW_S = 30.0
+BASE_PERIODS = 2000
 #: Periods in a row held back at the cap with reads at the storage's own latency that lift it.
 CAP_LIFT_AFTER = 3
-BASE_PERIODS = 2000
 #: Event-loop thread busy this share of a period: hold, more reads would only queue.
 LOOP_SATURATED = 0.9
 CHUNK_TIME_S = 0.004
