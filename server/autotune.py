@@ -24,8 +24,14 @@ in-flight bound, and the event loop's CPU time.
   storage bound. Without the latency test, a CPU-bound machine whose client takes all it
   makes would chase its own queueing (latency grows with the bound, so rate x latency
   does) up to the ceiling. The cap is lifted when, for three periods in a row, the stream
-  is held back at it while reads take no more than 1.25x the storage's own latency (the
-  load it was learnt under has gone), or when that latency changes 2x. A saturated event
+  is held back at it while reads take no more than 1.25x the storage's own latency and
+  the rate is 10% above the one the cap was set at (the load it was learnt under has
+  gone; a cap of 1.25x the knee needs no queueing, so latency alone would lift it every
+  few periods), or when that latency changes 2x. A lift whose growth finds the same
+  plateau doubles the periods the next needs (up to CAP_LIFT_MAX). After PROBE_EVERY_S
+  in which every period's reads queued, the bound is halved for one measured period and
+  restored (BBR's min-RTT probe): the lowest latency of the last 30 s would otherwise
+  become our own queueing once the window passes, and the cap and target chase it. A saturated event
   loop holds the bound. "Held back by the bound" means hit, with the sender
   starving and reads in flight (Little's law on completions) near the bound on average.
   Shrinking waits for three periods in a row that ask for under half the bound, and
@@ -87,8 +93,15 @@ QUEUED_LATENCY = 1.25
 #: The storage's own latency is the lowest period mean over this long (and this many periods).
 BASE_WINDOW_S = 30.0
 BASE_PERIODS = 2000
-#: Periods in a row held back at the cap with reads at the storage's own latency that lift it.
+#: Periods in a row held back at the cap with reads at the storage's own latency (and a rate
+#: 10% above the one the cap was learnt at) that lift it; doubled, up to CAP_LIFT_MAX, each
+#: time growth past a lifted cap found the same plateau again.
 CAP_LIFT_AFTER = 3
+CAP_LIFT_MAX = 96
+#: No period this long with reads at the storage's own latency (every one queued, or the
+#: storage slower than the base says): drain to half the bound for one measured period, so
+#: the base is measured again without our own queueing in it (BBR's min-RTT probe).
+PROBE_EVERY_S = 10.0
 #: Event-loop thread busy this share of a period: hold, more reads would only queue.
 LOOP_SATURATED = 0.9
 CHUNK_TIME_S = 0.004
@@ -145,6 +158,13 @@ class StreamTuner:
         self.cap: int | None = None
         self._cap_base = 0.0
         self._unqueued = 0  # periods in a row held back at the cap with no queueing
+        self._cap_rate = 0.0  # the drain rate when the cap was set
+        self._lift_after = CAP_LIFT_AFTER
+        self._lifted: int | None = None  # the cap last lifted, until growth sets the next
+        self._probe_from: int | None = None  # the bound to go back to after a drain probe
+        self._period_lat = 0.0
+        self.probes = 0
+        self._probing = False  # this decision starts or ends a probe (not counted as a change)
         #: (time, mean read latency) of recent periods: their minimum is the storage's own latency.
         self._latencies: collections.deque[tuple[float, float]] = collections.deque(maxlen=BASE_PERIODS)
         self._strikes = 0
@@ -155,6 +175,7 @@ class StreamTuner:
         self._chunk_vote: int | None = None
         self._flush_vote: float | None = None
         self._t = clock()
+        self._unqueued_at = self._t  # the last period whose reads took the storage's own latency
         self._cpu = cpu_clock()
         self._next_done = MIN_COMPLETIONS
         self._logged_at = float("-inf")
@@ -217,6 +238,7 @@ class StreamTuner:
         self.latency_s = lat if self.latency_s is None else 0.5 * self.latency_s + 0.5 * lat
         if self.done:
             self._latencies.append((now, lat))
+        self._period_lat = lat
         self.rate = rate if self.rate is None else 0.5 * self.rate + 0.5 * rate
         if self.sent:
             b = self.sent_bytes / self.sent
@@ -247,13 +269,17 @@ class StreamTuner:
         self.lat_sum = self.starved_s = 0.0
         self._t, self._cpu = now, cpu
         self._next_done = max(MIN_COMPLETIONS, new.reads // 2)
+        probing, self._probing = self._probing, False
         if new == old:
             return None
         self.settings = new
-        self.changes += 1
-        self.server.changes += 1
         if len(self.history) < 1000:
             self.history.append((now - self._t0, new))
+        if probing and new.chunk_samples == old.chunk_samples and new.flush_delay_s == old.flush_delay_s:
+            log.debug("autotune %s: latency probe: reads in flight %d -> %d", self.name, old.reads, new.reads)
+            return new
+        self.changes += 1
+        self.server.changes += 1
         self._log(now, old, new, rate, starved)
         return new
 
@@ -272,13 +298,31 @@ class StreamTuner:
         if self._hold:  # the period right after a change fills the new bound: not a measurement
             self._hold = False
             return min(cur, ceiling)
+        if self._probe_from is not None:  # the probe's period was measured (and is in the base)
+            back, self._probe_from = self._probe_from, None
+            self._unqueued_at, self._probing = now, True
+            return self._changed(min(back, ceiling))
+        if self._period_lat <= base * QUEUED_LATENCY:
+            self._unqueued_at = now
+        elif now - self._unqueued_at >= PROBE_EVERY_S and cur > MIN_READS:
+            # Every read queued for a while: the base may be stale (or hold our own queueing
+            # once its window passes). Half the bound for one measured period says.
+            self._probe_from, self._grew_from, self._strikes = cur, None, 0
+            self.probes += 1
+            self.server.probes += 1
+            self._probing = True
+            return self._changed(max(MIN_READS, cur // 2))
         if self.cap is not None and not 0.5 <= base / max(self._cap_base, 1e-9) <= 2.0:
-            self.cap, self._strikes = None, 0  # the storage changed: learn its plateau again
-        if self.cap is not None and cur >= self.cap and supply_bound and lat <= base * QUEUED_LATENCY:
-            # Held back at the cap, yet reads take the storage's own time: nothing queues now
-            # (the plateau was learnt under a load that has gone), so growth may pay again.
+            self.cap, self._strikes, self._lift_after = None, 0, CAP_LIFT_AFTER  # the storage changed
+        if (self.cap is not None and cur >= self.cap and supply_bound and lat <= base * QUEUED_LATENCY
+                and rate >= self._cap_rate * PLATEAU_GAIN):
+            # Held back at the cap, yet reads take the storage's own time and the rate has
+            # risen since the cap was set: the plateau was learnt under a load that has gone,
+            # so growth may pay again. (At a cap of 1.25x the knee reads need not queue, so
+            # the latency alone would lift it every few periods: hunting.)
             self._unqueued += 1
-            if self._unqueued >= CAP_LIFT_AFTER:
+            if self._unqueued >= self._lift_after:
+                self._lifted = self.cap
                 self.cap, self._strikes, self._unqueued = None, 0, 0
         else:
             self._unqueued = 0
@@ -298,7 +342,11 @@ class StreamTuner:
                     # Back to just above the last level that paid: more only queued.
                     paid_reads = self._paid or before_reads
                     self.cap, self._cap_base = max(MIN_READS, int(paid_reads * 1.25)), base
-                    self._strikes = 0
+                    self._cap_rate, self._strikes = max(rate, before_rate), 0
+                    if self._lifted is not None:  # growth past a lifted cap: was it worth it?
+                        same = self.cap <= 1.5 * self._lifted
+                        self._lift_after = min(CAP_LIFT_MAX, 2 * self._lift_after) if same else CAP_LIFT_AFTER
+                        self._lifted = None
                     return self._changed(min(cur, self.cap, ceiling))
                 return cur  # once may be noise: hold, and try growing again next period
             self._strikes = 0
@@ -408,6 +456,7 @@ class Autotuner:
         self.recent: collections.deque[StreamTuner] = collections.deque(maxlen=8)
         self.decisions = 0
         self.changes = 0
+        self.probes = 0
 
     def active(self) -> int:
         return len(self.streams)
@@ -457,6 +506,11 @@ class Autotuner:
         d = CounterMetricFamily("croupier_autotune_decisions", "Autotune decision periods, all streams")
         d.add_metric([], self.decisions)
         yield d
-        c = CounterMetricFamily("croupier_autotune_changes", "Autotune decisions that changed a setting")
+        c = CounterMetricFamily("croupier_autotune_changes", "Autotune decisions that changed a setting "
+                                "(latency probes apart)")
         c.add_metric([], self.changes)
         yield c
+        p = CounterMetricFamily("croupier_autotune_probes", "Autotune latency probes: reads in flight halved for "
+                                "one measured period after PROBE_EVERY_S with every read queued")
+        p.add_metric([], self.probes)
+        yield p

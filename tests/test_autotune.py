@@ -18,7 +18,7 @@ import urllib.request
 import pyarrow as pa
 import pytest
 
-from croupier.server.autotune import MIN_READS, START_READS, Autotuner, StreamTuner
+from croupier.server.autotune import MIN_READS, PROBE_EVERY_S, START_READS, Autotuner, StreamTuner
 from croupier.server.planner import EpochPlan
 from croupier.server.scheduler import Dealer, FetchLimits, StreamRange
 
@@ -140,6 +140,28 @@ def test_reads_that_only_queue_do_not_chase_their_own_latency_to_the_ceiling() -
     assert max(trace) <= 8 * 60
     assert run(tuner, clock, model, 100) == 0
     assert tuner.base_latency(clock.t) == pytest.approx(0.02)
+
+
+@pytest.mark.parametrize("model,knee", [
+    (Model(0.005, float("inf"), cpu_cap=40_000, cap_is_loop=False), 200),  # the storage's parallelism
+    (Model(0.005, float("inf"), cpu_cap=25_600, cap_is_loop=False), 128),  # its knee at a cap of 1.25x paid
+    (Model(0.02, 3_000, cpu_cap=3_000, cap_is_loop=False), 60),  # a CPU-bound machine
+])
+def test_a_plateau_holds_for_minutes_and_only_latency_probes_move_it(model: Model, knee: int) -> None:
+    # Minutes past the 30 s the base latency is kept for: the base must not take on our own
+    # queueing (which lifted the cap and ran to the ceiling), and a cap of 1.25x the knee,
+    # where reads need not queue, must not be lifted and learnt again every few periods.
+    _, tuner, clock = make()
+    run(tuner, clock, model, 40)
+    settled, t0 = tuner.settings.reads, clock.t
+    trace: list[int] = []
+    assert run(tuner, clock, model, 3000, trace) == 0
+    assert clock.t - t0 > 120
+    assert settled <= 4 * knee and max(trace) <= 4 * knee
+    assert tuner.settings.reads == settled
+    assert tuner.probes <= (clock.t - t0) / PROBE_EVERY_S + 1
+    assert min(trace) >= settled // 2  # a probe halves the bound, no more
+    assert tuner.base_latency(clock.t) <= model.latency_s * 1.25
 
 
 def test_storage_that_gets_slower_gets_more_reads_in_flight() -> None:
