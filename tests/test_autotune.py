@@ -429,3 +429,20 @@ def test_the_benchmark_compares_medians_of_its_rounds() -> None:
     [row] = summarize(results)
     assert (row["autotuned"], row["best_grid"]) == (80.0, 100.0)  # one outlier round each way is ignored
     assert row["autotuned_rounds"] == [90.0, 10.0, 80.0] and not row["met"]
+
+
+def test_the_benchmark_judges_a_held_out_grid_point_on_its_fresh_rounds() -> None:
+    from croupier.bench.autotune import summarize
+
+    def case(variant: str, rnd: int, rate: float) -> dict:
+        return {"condition": "c", "variant": variant, "round": rnd, "samples_per_s": rate, "settings_over_time": []}
+
+    # Round 0 sweeps the grid; point 2's 200 is its lucky draw. Rounds 1-2 run the pick only.
+    results = [case("autotuned", 0, 90.0), case("grid reads 1 prefetch 1", 0, 100.0),
+               case("grid reads 2 prefetch 1", 0, 200.0),
+               case("autotuned", 1, 95.0), case("grid reads 2 prefetch 1", 1, 100.0),
+               case("autotuned", 2, 97.0), case("grid reads 2 prefetch 1", 2, 104.0)]
+    [row] = summarize(results)
+    assert row["best_grid_point"] == "grid reads 2 prefetch 1"
+    assert (row["autotuned"], row["best_grid"]) == (95.0, 100.0)
+    assert row["best_grid_rounds"] == [100.0, 104.0] and row["met"]
