@@ -198,7 +198,8 @@ def markdown(report: dict[str, Any]) -> str:
     if held:
         lines += ["", f"Held out: round 1 swept the whole grid and picked the best grid point per condition (as a "
                   f"user tuning by hand would); each figure above is the median of the {held} rounds after it, "
-                  "which ran autotuned, defaults and that point only, interleaved. The maximum of a noisy grid "
+                  "which ran autotuned, defaults and that point only, interleaved (each round starting with the next "
+                  "of the three). The maximum of a noisy grid "
                   "sweep overstates what that point delivers when run again. Every held-out round's samples/s:",
                   "", ]
     elif rounds > 1:
@@ -289,7 +290,9 @@ def main(argv: list[str] | None = None) -> int:
                 pick = max((r for r in sweep if r["variant"].startswith("grid")), key=lambda r: r["samples_per_s"])
                 again = [(label, flags) for label, flags in bench.variants()
                          if label in ("autotuned", "defaults", pick["variant"])]
-                results += [one(n, label, flags) for n in range(1, args.held_out + 1) for label, flags in again]
+                for n in range(1, args.held_out + 1):  # each round starts with another variant: no order bias
+                    k = n % len(again)
+                    results += [one(n, label, flags) for label, flags in again[k:] + again[:k]]
             else:
                 results += [one(n, label, flags) for n in range(max(1, args.repeat)) for label, flags in bench.variants()]
     report = {"mode": "quick" if args.quick else "full", "command": "python -m croupier.bench.autotune "
