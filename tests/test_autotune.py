@@ -446,3 +446,4 @@ def test_the_benchmark_judges_a_held_out_grid_point_on_its_fresh_rounds() -> Non
     assert row["best_grid_point"] == "grid reads 2 prefetch 1"
     assert (row["autotuned"], row["best_grid"]) == (95.0, 100.0)
     assert row["best_grid_rounds"] == [100.0, 104.0] and row["met"]
+    assert row["paired_ratios"] == [0.95, 97.0 / 104.0]  # round by round, beside each other
