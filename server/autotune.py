@@ -17,7 +17,9 @@ in-flight bound, and the event loop's CPU time.
   and the sender starves, the rate is
   the bound's own (rate = reads / L), so the target is 2x the bound: it grows
   geometrically (x1.5 to x2 a step) until the client, the CPU or the storage is the
-  limit. The period after a change is not measured (the new bound is filling). Growth
+  limit. The period after a change is not measured (the new bound is filling); growth is
+  judged on the two periods after it against up to four at the old bound (one period's
+  rate swings 2x on a busy machine, and a low draw looked like a plateau). Growth
   that twice in a row does not raise the rate by 10%, while the stream was held back or
   each read got 25% slower (Little's law: the added reads only queued, in our process or
   the storage's), caps the bound at 1.25x the last level that paid: a plateau, CPU or
@@ -88,6 +90,10 @@ SHRINK_AFTER = 3
 #: Growth must raise the drain rate by this much, or it counts towards a plateau.
 PLATEAU_GAIN = 1.1
 PLATEAU_STRIKES = 2
+#: Growth is judged on this many measured periods at the new bound, against up to
+#: LEVEL_PERIODS at the old: one period's rate can swing 2x on a busy machine.
+JUDGE_PERIODS = 2
+LEVEL_PERIODS = 4
 #: After growth with a flat rate, latency up by this factor means the new reads only queued.
 QUEUED_LATENCY = 1.25
 #: The storage's own latency is the lowest period mean over this long (and this many periods).
@@ -169,6 +175,9 @@ class StreamTuner:
         self._latencies: collections.deque[tuple[float, float]] = collections.deque(maxlen=BASE_PERIODS)
         self._strikes = 0
         self._grew_from: tuple[int, float, float] | None = None  # (reads, rate, latency) before the last growth
+        #: (samples sent, seconds, reads done, latency sum) of the measured periods at the current bound.
+        self._level: collections.deque[tuple[int, float, int, float]] = collections.deque(maxlen=LEVEL_PERIODS)
+        self._period: tuple[int, float, int, float] = (0, 0.0, 0, 0.0)
         self._paid: int | None = None  # reads at the last growth that raised the rate
         self._shrink_votes = 0
         self._hold = False
@@ -239,6 +248,7 @@ class StreamTuner:
         if self.done:
             self._latencies.append((now, lat))
         self._period_lat = lat
+        self._period = (self.sent, elapsed, self.done, self.lat_sum)
         self.rate = rate if self.rate is None else 0.5 * self.rate + 0.5 * rate
         if self.sent:
             b = self.sent_bytes / self.sent
@@ -302,6 +312,7 @@ class StreamTuner:
             back, self._probe_from = self._probe_from, None
             self._unqueued_at, self._probing = now, True
             return self._changed(min(back, ceiling))
+        self._level.append(self._period)
         if self._period_lat <= base * QUEUED_LATENCY:
             self._unqueued_at = now
         elif now - self._unqueued_at >= PROBE_EVERY_S and cur > MIN_READS:
@@ -326,10 +337,13 @@ class StreamTuner:
                 self.cap, self._strikes, self._unqueued = None, 0, 0
         else:
             self._unqueued = 0
-        # Did the last growth pay? Measured on this period, the first at the new bound.
+        # Did the last growth pay? Measured on the first JUDGE_PERIODS periods at the new bound.
         if self._grew_from is not None:
+            if len(self._level) < JUDGE_PERIODS:
+                return cur
             before_reads, before_rate, before_lat = self._grew_from
             self._grew_from = None
+            rate, lat = self._level_rate(rate, lat)
             flat = rate < before_rate * PLATEAU_GAIN
             # Queueing: more reads in flight, the same rate, each read slower (Little's law).
             # Latency measured under it grows with the bound, so the target (rate x latency)
@@ -369,7 +383,7 @@ class StreamTuner:
             return self._changed(ceiling)
         if want_i >= cur * 1.25:
             self._shrink_votes = 0
-            self._grew_from = (cur, rate, lat)
+            self._grew_from = (cur, *self._level_rate(rate, lat))
             return self._changed(min(want_i, 2 * cur))
         if want_i <= cur * 0.5:
             self._shrink_votes += 1
@@ -380,8 +394,18 @@ class StreamTuner:
         self._shrink_votes = 0
         return cur
 
+    def _level_rate(self, rate: float, lat: float) -> tuple[float, float]:
+        """Drain rate and mean read latency over the measured periods at the current bound."""
+        sent = sum(p[0] for p in self._level)
+        secs = sum(p[1] for p in self._level)
+        done = sum(p[2] for p in self._level)
+        lat_sum = sum(p[3] for p in self._level)
+        return (sent / secs if secs > 0 else rate), (lat_sum / done if done else lat)
+
     def _changed(self, reads: int) -> int:
         self._hold = reads != self.settings.reads
+        if self._hold:
+            self._level.clear()
         return reads
 
     def _chunk(self, cur: int) -> int:
