@@ -13,31 +13,33 @@ in-flight bound, and the event loop's CPU time.
   HEADROOM (2). L is the storage's own latency: the smoothed period mean, but at most
   1.25x the lowest period mean of the last 30 s. A period's mean also holds queueing (a
   busy CPU, our pools, the storage's queue), which grows with the reads in flight, so a
-  target on it alone would chase itself upwards. While the issuer is held by the bound
-  and the sender starves, the rate is
-  the bound's own (rate = reads / L), so the target is 2x the bound: it grows
-  geometrically (x1.5 to x2 a step) until the client, the CPU or the storage is the
-  limit. The period after a change is not measured (the new bound is filling); growth is
-  judged on the two periods after it against up to four at the old bound (one period's
-  rate swings 2x on a busy machine, and a low draw looked like a plateau). Growth
-  that twice in a row does not raise the rate by 10%, while the stream was held back or
-  each read got 25% slower (Little's law: the added reads only queued, in our process or
-  the storage's), caps the bound at 1.25x the last level that paid: a plateau, CPU or
-  storage bound. Without the latency test, a CPU-bound machine whose client takes all it
-  makes would chase its own queueing (latency grows with the bound, so rate x latency
-  does) up to the ceiling. The cap is lifted when, for three periods in a row, the stream
-  is held back at it while reads take no more than 1.25x the storage's own latency and
-  the rate is 10% above the one the cap was set at (the load it was learnt under has
-  gone; a cap of 1.25x the knee needs no queueing, so latency alone would lift it every
-  few periods), or when that latency changes 2x. A lift whose growth finds the same
-  plateau doubles the periods the next needs (up to CAP_LIFT_MAX). After PROBE_EVERY_S
-  in which every period's reads queued, the bound is halved for one measured period and
-  restored (BBR's min-RTT probe): the lowest latency of the last 30 s would otherwise
-  become our own queueing once the window passes, and the cap and target chase it. A saturated event
-  loop holds the bound. "Held back by the bound" means hit, with the sender
-  starving and reads in flight (Little's law on completions) near the bound on average.
-  Shrinking waits for three periods in a row that ask for under half the bound, and
-  halves at most: a slow client frees memory without the setting hunting.
+  target on it alone would chase itself upwards.
+  - Growth: while the issuer is held by the bound and the sender starves, the rate is the
+    bound's own (rate = reads / L), so the target is 2x the bound: it grows geometrically
+    (x1.5 to x2 a step) until the client, the CPU or the storage is the limit.
+  - Judging growth: the period after a change is not measured (the new bound is
+    filling); growth is judged on the two periods after it against up to four at the old
+    bound (one period's rate swings 2x on a busy machine; a low draw looked like a
+    plateau).
+  - Plateau: growth that twice in a row does not raise the rate by 10%, while the stream
+    was held back or each read got 25% slower (the added reads only queued, in our
+    process or the storage's), caps the bound at 1.25x the last level that paid. Without
+    the latency test a CPU-bound machine whose client takes all it makes would chase its
+    own queueing (latency grows with the bound, so rate x latency does) to the ceiling.
+  - Lifting a cap: three periods in a row held back at it while reads take no more than
+    1.25x the storage's own latency *and* the rate is 10% above the one the cap was set
+    at (the load it was learnt under has gone; a cap of 1.25x the knee needs no
+    queueing, so latency alone would lift it every few periods), or that latency changing
+    2x. A lift whose growth finds the same plateau doubles the periods the next needs (up
+    to CAP_LIFT_MAX).
+  - Latency probe (TCP BBR's min-RTT probe): after PROBE_EVERY_S in which every period's
+    reads queued, the bound is halved for one measured period and restored; else the
+    lowest latency of the last 30 s becomes our own queueing once the window passes, and
+    the cap and target chase it. Probes are counted apart from changes.
+  - A saturated event loop holds the bound. "Held back by the bound" means hit, with the
+    sender starving and reads in flight (Little's law on completions) near the bound on
+    average. Shrinking waits for three periods in a row that ask for under half the
+    bound, and halves at most: a slow client frees memory without the setting hunting.
 * Read-ahead (prefetch, in batches) keeps twice the in-flight bound in the window, so a
   batch waiting on its slowest read does not drain the pipeline.
 * Chunk samples follow the drain rate (about CHUNK_TIME_S of samples per message, a
