@@ -180,3 +180,159 @@ def test_the_goal_compares_croupier_with_the_uniform_peers_any_peer_and_the_smal
     assert (g["uniform peers"]["peer_rate"], g["uniform peers"]["met"]) == (90.0, True)
     assert (g["any peer"]["peer_rate"], g["any peer"]["met"], g["any peer"]["peer_uniform"]) == (150.0, False, False)
     assert g["10% cache"]["ratio"] == pytest.approx(10.0)
+
+
+# ---- tf.data service on S3: tensorflow-io in its own venv, a relay out of the service's namespace ------
+
+def test_tf_data_runs_on_s3_in_the_tensorflow_io_venv() -> None:
+    from croupier.bench.peers import suite, venvs
+
+    assert suite.venv_of("tfdata", "s3") == "tfdata-s3"
+    assert suite.venv_of("tfdata", "fuse") == "tfdata" and suite.venv_of("mosaic", "s3") == "mosaic"
+    assert suite.not_run("tfdata", "s3", "text") == "" and suite.not_run("tfdata", "s3", "image") == ""
+    assert suite.not_run("torchdata", "s3", "text")  # still not run, and said why
+    planned = {(c.key, ds, s, v) for c, ds, s, v in suite.planned(suite.full())}
+    assert {("s3", ds, "tfdata", v) for ds in ("text", "image") for v in ("default", "strongest")} <= planned
+    assert suite.needed_venvs(suite.full())[-1] == "tfdata-s3"  # beside tfdata's own (its writer runs there)
+    assert "tfdata-s3" not in suite.needed_venvs(suite.quick())
+    env = venvs.PEERS["tfdata-s3"]
+    # tensorflow-io 0.37.1 is built for TensorFlow 2.16.x (its README's table; its extra pins >=2.16,<2.17).
+    assert "tensorflow-io==0.37.1" in env.requirements and not env.needs_torch
+    assert any(r.startswith("tensorflow-cpu==2.16.") for r in env.requirements)
+    assert "tensorflow-io" in env.key_packages
+
+
+def _run_tfdata_module():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("run_tfdata_under_test", RUNNERS / "run_tfdata.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_tf_data_on_s3_is_configured_the_way_tensorflow_io_reads_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    import os
+    import types
+    from unittest import mock
+
+    monkeypatch.syspath_prepend(str(RUNNERS))
+    run_tfdata = _run_tfdata_module()
+    imported = []
+    fake_tfio = types.ModuleType("tensorflow_io")
+    fake_tfio.__version__ = "0.37.1"
+    monkeypatch.setitem(sys.modules, "tensorflow_io", fake_tfio)
+    monkeypatch.setattr("builtins.__import__", _recording_import(imported))
+    fake_tf = types.SimpleNamespace(__version__="2.16.2")
+    with mock.patch.dict(os.environ, clear=False):
+        for k in ("S3_ENDPOINT", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_REGION"):
+            os.environ.pop(k, None)
+        on_files = Job(system="tfdata", dataset="text", remote="/mnt/latencyfs/peers/tfdata-text", local="")
+        assert run_tfdata.s3_setup(on_files, fake_tf) == "" and "S3_ENDPOINT" not in os.environ
+        assert "tensorflow_io" not in imported and not run_tfdata._S3
+        on_s3 = Job(system="tfdata", dataset="text", remote="s3://bench/peers/tfdata-text", local="",
+                    endpoint="http://127.0.0.1:9123")
+        note = run_tfdata.s3_setup(on_s3, fake_tf)
+        assert os.environ["S3_ENDPOINT"] == "http://127.0.0.1:9123"  # the scheme makes it plain HTTP
+        assert os.environ["AWS_ACCESS_KEY_ID"] and os.environ["AWS_SECRET_ACCESS_KEY"] and os.environ["AWS_REGION"]
+        assert "tensorflow_io" in imported and run_tfdata._S3  # registers s3://; the runner then exits with os._exit
+        assert "tensorflow-io 0.37.1" in note and "TensorFlow 2.16.2" in note and "relay" in note
+
+
+def _recording_import(seen: list[str]):
+    import builtins
+
+    real = builtins.__import__
+
+    def imp(name, *a, **k):
+        seen.append(name)
+        return real(name, *a, **k)
+
+    return imp
+
+
+def test_the_relay_takes_s3_requests_out_of_a_loopback_only_namespace(tmp_path: Path) -> None:
+    """The way from the tf.data service's namespace to the S3 server: TCP on the namespace's loopback,
+    the same port as the server's -> a Unix socket -> the server; every request reaches it (and waits its latency)."""
+    import shutil
+    import urllib.parse
+
+    from croupier.bench import s3server
+    from croupier.bench.peers.case import S3Relay
+
+    sys.path.insert(0, str(RUNNERS))
+    try:
+        from _relay import tcp_to_unix
+    finally:
+        sys.path.remove(str(RUNNERS))
+    body = bytes(range(256)) * 1000
+    with s3server.running(tmp_path / "root", latency=5) as srv:
+        srv.create_bucket("bench")
+        srv.put("bench", "peers/x.tfrecord", body)
+        port = urllib.parse.urlsplit(srv.endpoint).port
+        with S3Relay(srv.endpoint, tmp_path / "relay.log") as relay:
+            # In this namespace (a port of its own): ranged GETs and a HEAD, on one keep-alive connection.
+            import http.client
+
+            inner = tcp_to_unix("127.0.0.1", 0, relay.path)
+            srv.reset_stats()
+            try:
+                c = http.client.HTTPConnection("127.0.0.1", inner.getsockname()[1], timeout=30)
+                for a, b in ((0, 9), (1000, 200_999), (255_990, 255_999)):
+                    c.request("GET", "/bench/peers/x.tfrecord", headers={"Range": f"bytes={a}-{b}"})
+                    r = c.getresponse()
+                    assert (r.status, r.read()) == (206, body[a:b + 1])
+                c.request("HEAD", "/bench/peers/x.tfrecord")
+                r = c.getresponse()
+                r.read()
+                assert (r.status, r.getheader("Content-Length")) == (200, str(len(body)))
+                c.close()
+            finally:
+                inner.close()
+            assert srv.stats()["requests"] == 4  # all reached the server, each delayed there
+            # In a loopback-only network namespace, on the server's own port (what run_tfdata.py's group does).
+            if shutil.which("unshare") is None or subprocess.run(["unshare", "--net", "true"]).returncode != 0:
+                pytest.skip("no `unshare --net` here (needs root or user namespaces)")
+            script = (
+                "import http.client, subprocess, sys\n"
+                f"sys.path.insert(0, {str(RUNNERS)!r})\n"
+                "from _relay import tcp_to_unix\n"
+                "subprocess.run(['ip', 'link', 'set', 'lo', 'up'], check=True)\n"
+                f"tcp_to_unix('127.0.0.1', {port}, {relay.path!r})\n"
+                f"c = http.client.HTTPConnection('127.0.0.1', {port}, timeout=30)\n"
+                "c.request('GET', '/bench/peers/x.tfrecord', headers={'Range': 'bytes=5-14'})\n"
+                "r = c.getresponse(); print(r.status, r.read().hex())\n")
+            srv.reset_stats()
+            out = subprocess.run(["unshare", "--net", sys.executable, "-c", script], capture_output=True, text=True,
+                                 timeout=60)
+            assert out.returncode == 0, out.stderr
+            assert out.stdout.split() == ["206", body[5:15].hex()]
+            assert srv.stats()["requests"] == 1
+
+
+def test_tf_data_service_reads_s3_through_tensorflow_io(tmp_path: Path) -> None:
+    import shutil
+
+    from croupier.bench.peers import venvs
+
+    reasons = [f"{p}: {r}" for p in ("tfdata", "tfdata-s3") if (r := venvs.status(p))]
+    if shutil.which("unshare") is None or subprocess.run(["unshare", "--net", "true"]).returncode != 0:
+        reasons.append("no `unshare --net` here")
+    if reasons:
+        pytest.skip(f"tf.data venvs or network namespaces not available ({'; '.join(reasons)}); "
+                    "`python -m croupier.bench.peers --systems tfdata --only S3` makes the venvs")
+    from croupier.bench.datagen import DataSpec
+    from croupier.bench.peers.suite import PeersSuite, run_peers
+    from croupier.bench.real import s3
+
+    suite = PeersSuite(name="peers-tfdata-s3-test", data=DataSpec(text_rows=640, images=64, shard_size=64),
+                       systems=("tfdata",), conditions=(s3(5.0),), datasets=("text",), epochs=2, workers=1,
+                       shards=10, variants=("default",), timeout_s=180)
+    rep = run_peers(suite, tmp_path / "out", tmp_path / "data", "pytest", say=lambda s: None)
+    assert rep["errors"] == [] and rep["skipped"] == []
+    (case,) = rep["cases"]
+    assert case["venv"] == "tfdata-s3" and rep["versions"]["tfdata-s3"]["tensorflow-io"] == "0.37.1"
+    assert [e["complete"] for e in case["epochs"]] == [True, True]
+    assert case["coverage"][0] == {"delivered": 640, "distinct": 640, "missed": 0, "repeats": 0}
+    assert case["storage"]["requests"] > 0 and case["storage"]["bytes"] >= rep["written"]["tfdata text"]["bytes"]
+    assert any("tensorflow-io" in n for n in case["notes"])

@@ -4,13 +4,20 @@ The harness starts the ranks at once, reads their JSON lines (runners/_common.py
 every `period` seconds what the issue asks of the trainer's machine: the bytes under the
 local cache folder (peak local disk) and the resident memory of every process the system
 runs there (ranks, their DataLoader workers, a croupier server: peak RSS, summed).
+
+tf.data service runs as one `group` process in a network namespace with only loopback
+(run_group); on S3 that namespace reaches the S3 server on the host's loopback through S3Relay,
+a Unix socket that a relay process joins to the server (runners/_relay.py has the inner half).
+The relay process is not counted in the RSS: it stands in for the network.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
+import sys
 import threading
 import time
 from dataclasses import asdict, replace
@@ -176,27 +183,74 @@ def run_ranks(python: str, script: str, jobs: list[dict[str, Any]], env: dict[st
     return [p.events for p in procs], problems
 
 
+class S3Relay:
+    """The outer half of the way from a loopback-only network namespace to the S3 server
+    (runners/_relay.py): a listening Unix socket in a fresh /tmp folder (a short path: the limit is
+    108 bytes), handed to a relay process that joins each connection to the server's host:port.
+    `path` is what the process in the namespace relays its own loopback port to."""
+
+    def __init__(self, endpoint: str, log: Path):
+        import socket
+        import tempfile
+        import urllib.parse
+
+        url = urllib.parse.urlsplit(endpoint)
+        if url.scheme != "http" or not url.hostname or not url.port:
+            raise ValueError(f"the S3 relay needs an http://host:port endpoint, not {endpoint!r}")
+        self.host, self.port = url.hostname, url.port
+        self.dir = tempfile.mkdtemp(prefix="croupier-s3relay-")
+        self.path = os.path.join(self.dir, "s3.sock")
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            listener.bind(self.path)
+            listener.listen(256)  # listening before the relay starts: no connection is refused
+            self._log = open(log, "a")
+            self.proc = subprocess.Popen([sys.executable, str(RUNNERS / "_relay.py"), "unix-to-tcp",
+                                          str(listener.fileno()), self.host, str(self.port)],
+                                         pass_fds=[listener.fileno()], stdout=self._log, stderr=self._log,
+                                         start_new_session=True)
+        finally:
+            listener.close()  # the relay holds its own copy
+
+    def __enter__(self) -> "S3Relay":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        import shutil
+
+        self.proc.kill()
+        self.proc.wait(10)
+        self._log.close()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
 def run_group(python: str, script: str, jobs: list[dict[str, Any]], env: dict[str, str], log: Path,
               timeout: float, watch: Watcher) -> tuple[list[list[dict[str, Any]]], list[str]]:
     """Every rank under one `group` process in a network namespace with only loopback (the
-    tf.data service's servers bind every interface); its lines carry "rank"."""
+    tf.data service's servers bind every interface); its lines carry "rank". Jobs with an S3
+    `endpoint` get a relay to it (S3Relay; its path in extra["s3_relay"]): the namespace cannot
+    see the host's loopback, where the S3 server listens."""
     import shutil
 
     if shutil.which("unshare") is None or shutil.which("ip") is None:
         raise RuntimeError("needs `unshare` and `ip` (util-linux, iproute2) to keep its servers on loopback")
-    proc = RankProc(python, script, jobs, env, log, prefix=("unshare", "--net"), command="group")
-    watch.roots.append(proc.proc.pid)
-    problems: list[str] = []
-    try:
-        rc = proc.wait(time.monotonic() + timeout)
-        if rc is None:
-            problems.append(f"ran past {timeout:.0f} s and was killed")
-        elif rc != 0:
-            said = "; ".join(e["text"] for e in proc.events if e["ev"] == "error")
-            problems.append(f"exited with {rc}" + (f": {said}" if said else f"; see {log}"))
-    finally:
-        proc.kill()
-        proc.close()
+    endpoint = jobs[0].get("endpoint", "") if jobs else ""
+    with (S3Relay(endpoint, log) if endpoint else contextlib.nullcontext()) as relay:
+        if relay is not None:
+            jobs = [{**j, "extra": {**j.get("extra", {}), "s3_relay": relay.path}} for j in jobs]
+        proc = RankProc(python, script, jobs, env, log, prefix=("unshare", "--net"), command="group")
+        watch.roots.append(proc.proc.pid)
+        problems: list[str] = []
+        try:
+            rc = proc.wait(time.monotonic() + timeout)
+            if rc is None:
+                problems.append(f"ran past {timeout:.0f} s and was killed")
+            elif rc != 0:
+                said = "; ".join(e["text"] for e in proc.events if e["ev"] == "error")
+                problems.append(f"exited with {rc}" + (f": {said}" if said else f"; see {log}"))
+        finally:
+            proc.kill()
+            proc.close()
     ranks = [[e for e in proc.events if e.get("rank") == j["rank"]] for j in jobs]
     return ranks, problems
 

@@ -15,6 +15,12 @@ dataset (text rows, JPEG images), per system, at `world` ranks and batch `batch`
 * resume: the trainer killed (SIGKILL, every rank) after a third of the first epoch, right
   after a checkpoint of the system's own state_dict, then resumed from it: ids lost and
   repeated against the uninterrupted epoch.
+
+Each system runs in its own venv (venvs.py), except where a storage needs another (STORAGE_VENVS):
+tf.data on S3 runs in `tfdata-s3`, TensorFlow 2.16.2 with tensorflow-io 0.37.1's s3:// file system
+(TensorFlow dropped its own in 2.6; tensorflow-io's newest release is built for 2.16), configured
+from S3_ENDPOINT and the AWS_* variables; its service's loopback-only network namespace reaches the
+S3 server through a relay (case.S3Relay, runners/_relay.py). NOT_RUN lists what is still not run.
 """
 
 from __future__ import annotations
@@ -63,9 +69,20 @@ SHUFFLE = {
 }
 
 
+#: The venv a system runs in on a storage, where it is not the system's own (venvs.PEERS): tf.data on S3
+#: needs tensorflow-io's s3:// file system, whose newest release is built for TensorFlow 2.16, while the
+#: latency FS runs the newest TensorFlow (2.21). Each is what a TensorFlow user reading that storage
+#: installs; both read the same TFRecord files (written by the `tfdata` venv).
+STORAGE_VENVS = {("tfdata", "s3"): "tfdata-s3"}
+
+
+def venv_of(system: str, storage: str) -> str:
+    """The name of the venv (venvs.PEERS) `system` runs in on `storage` (a Condition's key)."""
+    return STORAGE_VENVS.get((system, storage), system)
+
+
 #: Cases a peer cannot run here, and why (system, storage, dataset or "*").
 NOT_RUN = {
-    ("tfdata", "s3", "*"): "TensorFlow 2.21 has no s3:// file system (it moved to tensorflow-io, not set up here)",
     ("torchdata", "s3", "text"): "rows of the Arrow files on S3 need ranged reads with an index; torchdata has "
                                  "no writer or index of its own (images on S3 are run: one GET per file)",
 }
@@ -266,7 +283,8 @@ def run_system(ctx: Ctx, st: Any, system: str, ds: str, variant: str, n: int, ex
             job = replace(job, extra={"address": server.address, "dataset": name,
                                       "ids": image_ids(ctx.data) if ds == "image" else []})
             watch.roots.append(server.pid)
-        python = ctx.pythons[system]
+        python = ctx.pythons[venv_of(system, st.condition.key)]
+        rec["venv"] = venv_of(system, st.condition.key)
         jobs = [asdict(replace(job, rank=r)) for r in range(s.world)]
         # A thrashing cache is cut per epoch once a batch comes; one that brings none is stopped here.
         timeout = min(s.timeout_s, epochs * s.cache10_epoch_s + 180) if variant == "cache10" else s.timeout_s
@@ -296,6 +314,7 @@ def run_system(ctx: Ctx, st: Any, system: str, ds: str, variant: str, n: int, ex
                 rec["resume_first_batch_s"] = first_batch_s(after)
             else:
                 if system == "tfdata":  # a dispatcher and workers beside the ranks, in a loopback-only namespace
+                    # (on S3 with a relay out of it to the S3 server: case.run_group)
                     jobs = [{**j, "extra": {"run": run_dir.name, "rows": rows}} for j in jobs]
                     ranks, problems = run_group(python, SCRIPTS[system], jobs, env, ctx.log, timeout, watch)
                 else:
@@ -359,15 +378,39 @@ def _mosaic_cleanup(ctx: Ctx, rec: dict[str, Any], before: set[str]) -> None:
 
 # ---- the suite --------------------------------------------------------------------------------
 
-def _setup_systems(suite: PeersSuite, say: Callable[[str], None], rep: dict[str, Any]) -> dict[str, str]:
-    pythons: dict[str, str] = {"croupier": sys.executable} if "croupier" in suite.systems else {}
-    for name in suite.systems:
-        if name == "croupier":
-            import croupier
+def planned(suite: PeersSuite, only: str = "") -> list[tuple[Condition, str, str, str]]:
+    """(condition, dataset, system, variant) of every case the suite runs, in order; `only` keeps those whose
+    'dataset | storage | system | variant' contains it (the cases NOT_RUN names are in it, and reported skipped)."""
+    plan = [(cond, ds, system, v) for cond in suite.conditions for ds in suite.datasets for system in suite.systems
+            for v in VARIANTS.get(system, ("default",)) if v in suite.variants]
+    return [p for p in plan if not only or only in f"{p[1]} | {p[0].name} | {p[2]} | {p[3]}"]
 
-            rep["versions"]["croupier"] = {"croupier": getattr(croupier, "__version__", "0.1.0"),
-                                           "revision": _git("rev-parse", "--short", "HEAD")}
-            continue
+
+def not_run(system: str, storage: str, ds: str) -> str:
+    """Why `system` does not run `ds` on `storage` here ("" when it does)."""
+    return NOT_RUN.get((system, storage, ds)) or NOT_RUN.get((system, storage, "*")) or ""
+
+
+def needed_venvs(suite: PeersSuite) -> list[str]:
+    """The peers' venvs the suite runs in: each system's own (its writer runs there), then any other one
+    a storage of the suite needs (STORAGE_VENVS)."""
+    names = [s for s in suite.systems if s != "croupier"]
+    for system in names[:]:
+        for cond in suite.conditions:
+            if venv_of(system, cond.key) not in names:
+                names.append(venv_of(system, cond.key))
+    return names
+
+
+def _setup_systems(suite: PeersSuite, say: Callable[[str], None], rep: dict[str, Any]) -> dict[str, str]:
+    """Python per venv name (croupier: this one); a venv that cannot be made is an error in the results."""
+    pythons: dict[str, str] = {"croupier": sys.executable} if "croupier" in suite.systems else {}
+    if "croupier" in suite.systems:
+        import croupier
+
+        rep["versions"]["croupier"] = {"croupier": getattr(croupier, "__version__", "0.1.0"),
+                                       "revision": _git("rev-parse", "--short", "HEAD")}
+    for name in needed_venvs(suite):
         env = venvs.PEERS[name]
         try:
             pythons[name] = str(venvs.ensure(env, say))
@@ -416,9 +459,7 @@ def run_peers(suite: PeersSuite, out: Path, data_dir: Path, command: str, say: C
                 ctx.written[(system, ds)] = {"bytes": sum(f.stat().st_size for f in src.rglob("*") if f.is_file())}
     rep["written"] = {f"{k[0]} {k[1]}": v for k, v in ctx.written.items()}
     fuse_reason = latencyfs.check_available()
-    plan = [(cond, ds, system, v) for cond in suite.conditions for ds in suite.datasets for system in suite.systems
-            for v in VARIANTS.get(system, ("default",)) if v in suite.variants]
-    plan = [p for p in plan if not only or only in f"{p[1]} | {p[0].name} | {p[2]} | {p[3]}"]
+    plan = planned(suite, only)
     n = 0
     for cond in suite.conditions:
         todo = [p for p in plan if p[0] == cond]
@@ -433,10 +474,10 @@ def run_peers(suite: PeersSuite, out: Path, data_dir: Path, command: str, say: C
             for _, ds, system, variant in todo:
                 n += 1
                 what = f"{ds} | {cond.name} | {LABELS[system]} | {variant}"
-                if system not in ctx.pythons or (system, ds) not in ctx.written:
+                if venv_of(system, cond.key) not in ctx.pythons or (system, ds) not in ctx.written:
                     rep["skipped"].append(f"{what}: not set up (see errors)")
                     continue
-                why = NOT_RUN.get((system, cond.key, ds)) or NOT_RUN.get((system, cond.key, "*"))
+                why = not_run(system, cond.key, ds)
                 if why:
                     rep["skipped"].append(f"{what}: {why}")
                     continue

@@ -7,6 +7,14 @@ with the same pin on the command line: an unpinned torch would pull the CUDA bui
 peer whose requirements refuse 2.13.0 fails to install, which is recorded, not worked around.
 The venv is reused while its stamp (the requirement list) matches; `versions()` is what
 `pip freeze` says of the key packages, written into the results.
+
+A peer can have a second venv for a storage that needs other packages (suite.STORAGE_VENVS):
+`tfdata-s3`, tf.data on S3. TensorFlow has had no s3:// file system of its own since 2.6;
+tensorflow-io provides it, and its newest release, 0.37.1, is built for TensorFlow 2.16.x (its
+README's compatibility table; its `tensorflow-cpu` extra pins >=2.16,<2.17), so a TensorFlow user
+reading S3 installs tensorflow-cpu 2.16.2 with it. The latency FS keeps the newest TensorFlow
+(`tfdata`, 2.21.0, which also writes the TFRecord files both read): moving tf.data to 2.16 there
+would run an older TensorFlow than its users on files would, for a plug-in that path does not use.
 """
 
 from __future__ import annotations
@@ -51,6 +59,13 @@ PEERS: dict[str, PeerEnv] = {
                        key_packages=("litdata", "torch", "numpy", "boto3", "obstore", "pillow")),
     "tfdata": PeerEnv("tfdata", ("tensorflow-cpu==2.21.0", "pillow"), needs_torch=False,
                       key_packages=("tensorflow-cpu", "tensorflow", "numpy", "pillow")),
+    # tf.data on S3: TensorFlow's own s3:// file system left it in 2.6; tensorflow-io provides it, and its
+    # newest release (0.37.1) is built against TensorFlow 2.16.x (its README's compatibility table; its
+    # `tensorflow-cpu` extra pins >=2.16,<2.17). A TensorFlow user reading S3 installs that pair.
+    "tfdata-s3": PeerEnv("tfdata-s3", ("tensorflow-cpu==2.16.2", "tensorflow-io==0.37.1", "pillow"),
+                         needs_torch=False,
+                         key_packages=("tensorflow-cpu", "tensorflow", "tensorflow-io",
+                                       "tensorflow-io-gcs-filesystem", "numpy", "pillow")),
     "torchdata": PeerEnv("torchdata", ("torchdata==0.11.0", "numpy", "pillow", "pyarrow", "boto3"),
                          key_packages=("torchdata", "torch", "numpy", "pyarrow", "boto3", "pillow")),
 }
