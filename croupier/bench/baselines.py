@@ -94,7 +94,7 @@ def list_imagefolder(root: str | os.PathLike) -> tuple[list[str], list[int]]:
 
 
 def decode_jpeg(data: bytes) -> torch.Tensor:
-    """uint8 CHW, as croupier's client decodes (decode_images="tensor")."""
+    """uint8 CHW by Pillow, as torchvision's default image loader decodes (the baselines' decoder)."""
     from PIL import Image
 
     with Image.open(io.BytesIO(data)) as img:

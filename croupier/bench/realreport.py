@@ -300,7 +300,9 @@ def markdown(rep: dict[str, Any], plots: list[str]) -> str:
         "of DataLoader + DistributedSampler with 0, 2, 8 workers on the same dataset and storage (for the tar "
         "shards, over WebDataset).",
         "",
-        f"Decode ceiling (images): one core's decode rate, the better of a measurement at the start and the end "
+        f"Decode ceiling (images): one core's decode rate with croupier's client decoder (simplejpeg for JPEGs; "
+        f"the DataLoader baselines decode with Pillow, as torchvision does), the better of a measurement at the "
+        f"start and the end "
         f"({', '.join(f'{k} {v:,.0f}/s' for k, v in rep['decode_rates'].items())}), times {m['cores']} cores.",
         "",
     ]
