@@ -103,17 +103,35 @@ def load_into_page_cache(paths: Iterable[str | os.PathLike], block: int = 1 << 2
 
 
 def thread_cpu(pid: int | str = "self") -> dict[int, tuple[str, float, float]]:
-    """Per live thread of `pid`: (name, user CPU seconds, system CPU seconds)."""
+    """Per live thread of `pid`: (name, user CPU seconds, system CPU seconds).
+
+    The total is the scheduler's nanosecond count (/proc/PID/task/TID/schedstat), split
+    between user and system in the ratio of the tick counts in .../stat (all user when the
+    thread has not run a whole tick yet). The tick counts alone round every thread down
+    by up to a tick: over hundreds of short-running I/O threads that hides seconds."""
     out: dict[int, tuple[str, float, float]] = {}
     for task in Path(f"/proc/{pid}/task").iterdir():
         try:
             raw = (task / "stat").read_text()
+            exact = _schedstat_s(task)
         except OSError:
             continue  # ended meanwhile
         name = raw[raw.index("(") + 1:raw.rindex(")")]
         fields = raw.rsplit(")", 1)[1].split()
-        out[int(task.name)] = (name, int(fields[11]) / _TICK, int(fields[12]) / _TICK)
+        user, system = int(fields[11]) / _TICK, int(fields[12]) / _TICK
+        if exact is not None and exact >= user + system:
+            user = exact * user / (user + system) if user + system > 0 else exact
+            system = exact - user
+        out[int(task.name)] = (name, user, system)
     return out
+
+
+def _schedstat_s(task: Path) -> float | None:
+    """Seconds the thread has run (schedstat's first field, ns); None where the kernel lacks it."""
+    try:
+        return int((task / "schedstat").read_text().split()[0]) / 1e9
+    except FileNotFoundError:
+        return None
 
 
 def thread_group(name: str) -> str:
@@ -127,7 +145,8 @@ def thread_cpu_delta(before: dict[int, tuple[str, float, float]], after: dict[in
                      total_s: float | None = None) -> dict[str, dict[str, float]]:
     """CPU seconds by thread group between two `thread_cpu` snapshots ({group: {"user", "system",
     "threads"}}); with the process's total CPU over the same time, what threads that ended
-    meanwhile used (after their last reading) goes under "(unattributed ...)"."""
+    meanwhile used (after their last reading), and the tick rounding of the process total,
+    goes under "(unattributed ...)"."""
     groups: dict[str, dict[str, float]] = {}
     for tid, (name, user, system) in sorted(after.items()):
         _, u0, s0 = before.get(tid, (name, 0.0, 0.0))
@@ -138,6 +157,6 @@ def thread_cpu_delta(before: dict[int, tuple[str, float, float]], after: dict[in
     if total_s is not None:
         rest = total_s - sum(g["user"] + g["system"] for g in groups.values())
         if rest > 0.01:
-            groups["(unattributed: threads that ended between readings; user + system)"] = {
+            groups["(unattributed: threads that ended between readings, tick rounding; user + system)"] = {
                 "user": rest, "system": 0.0, "threads": 0}
     return groups

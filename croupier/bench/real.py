@@ -345,6 +345,8 @@ class ThreadSampler:
         for tid, (name, u, s) in snap.items():
             if tid == self.pid:
                 name = "main thread (event loop)"
+            elif name == "croupier-read":
+                name = "native read threads (blocking preads)"
             elif name.startswith("python"):
                 name = "other Python threads (I/O pool, CPU pool)"
             out[tid] = (name, u, s)

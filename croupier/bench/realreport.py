@@ -126,7 +126,7 @@ def profile_section(p: dict[str, Any], measured: dict[str, Any] | None) -> list[
         groups = measured["extra"]["server_threads_cpu_s"]
         lines += [f"Server CPU by thread in the measured case (*{measured['condition']['name']}*, croupier unordered, "
                   f"{measured['samples_per_s']:,.0f} samples/s, {measured['samples']:,} samples; from "
-                  "/proc/PID/task/*/stat, no profiler):", ""]
+                  "/proc/PID/task/*/schedstat and stat, no profiler):", ""]
         lines += threads_table(groups, measured["samples"]) + [""]
     user, system = p.get("process_user_s") or 0.0, p.get("process_system_s") or 0.0
     lines += [f"Functions: a second run of *{p['case']}* with the server under `python -m croupier.bench.profserve` "
