@@ -35,7 +35,7 @@ def test_threads_that_ran_under_a_tick_each_are_still_counted() -> None:
         threads.append(t)
     try:
         ids = {t.native_id for t in threads}
-        per_thread = {tid: u + s for tid, (_, u, s) in thread_cpu().items() if tid in ids}
+        per_thread = {tid: cpu for tid, (_, _, _, cpu) in thread_cpu().items() if tid in ids}
         assert len(per_thread) == 20
         assert sum(per_thread.values()) >= 0.06
         assert all(v >= 0.003 for v in per_thread.values())
@@ -54,7 +54,7 @@ def test_native_read_threads_carry_their_own_name(tmp_path: Path) -> None:
         pool = native.NativeReadPool(4)
         try:
             data = await pool.pread_path(str(f), 2, 3)
-            return data, [name for name, _, _ in thread_cpu().values()]
+            return data, [name for name, *_ in thread_cpu().values()]
         finally:
             pool.close()
 

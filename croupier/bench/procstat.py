@@ -102,14 +102,19 @@ def load_into_page_cache(paths: Iterable[str | os.PathLike], block: int = 1 << 2
     return total
 
 
-def thread_cpu(pid: int | str = "self") -> dict[int, tuple[str, float, float]]:
-    """Per live thread of `pid`: (name, user CPU seconds, system CPU seconds).
+#: Per thread: (name, user s, system s, CPU s): user and system are the kernel's tick counts
+#: (.../stat, each rounded down to a tick), CPU the scheduler's exact count (.../schedstat).
+ThreadCPU = tuple[str, float, float, float]
 
-    The total is the scheduler's nanosecond count (/proc/PID/task/TID/schedstat), split
-    between user and system in the ratio of the tick counts in .../stat (all user when the
-    thread has not run a whole tick yet). The tick counts alone round every thread down
-    by up to a tick: over hundreds of short-running I/O threads that hides seconds."""
-    out: dict[int, tuple[str, float, float]] = {}
+
+def thread_cpu(pid: int | str = "self") -> dict[int, ThreadCPU]:
+    """Per live thread of `pid`: (name, user s, system s, CPU s).
+
+    CPU is the scheduler's nanosecond count (/proc/PID/task/TID/schedstat; the tick sum where
+    the kernel lacks it). User and system are the tick counts of .../stat, which round every
+    thread down by up to a tick: over hundreds of short-running I/O threads that hides
+    seconds, so sum CPU, and read user/system as a split of the long-running threads only."""
+    out: dict[int, ThreadCPU] = {}
     for task in Path(f"/proc/{pid}/task").iterdir():
         try:
             raw = (task / "stat").read_text()
@@ -119,10 +124,7 @@ def thread_cpu(pid: int | str = "self") -> dict[int, tuple[str, float, float]]:
         name = raw[raw.index("(") + 1:raw.rindex(")")]
         fields = raw.rsplit(")", 1)[1].split()
         user, system = int(fields[11]) / _TICK, int(fields[12]) / _TICK
-        if exact is not None and exact >= user + system:
-            user = exact * user / (user + system) if user + system > 0 else exact
-            system = exact - user
-        out[int(task.name)] = (name, user, system)
+        out[int(task.name)] = (name, user, system, max(exact, user + system) if exact is not None else user + system)
     return out
 
 
@@ -141,22 +143,22 @@ def thread_group(name: str) -> str:
     return re.sub(r"[-_ ]?\d+$", "", name) or name
 
 
-def thread_cpu_delta(before: dict[int, tuple[str, float, float]], after: dict[int, tuple[str, float, float]],
+def thread_cpu_delta(before: dict[int, ThreadCPU], after: dict[int, ThreadCPU],
                      total_s: float | None = None) -> dict[str, dict[str, float]]:
-    """CPU seconds by thread group between two `thread_cpu` snapshots ({group: {"user", "system",
-    "threads"}}); with the process's total CPU over the same time, what threads that ended
-    meanwhile used (after their last reading), and the tick rounding of the process total,
-    goes under "(unattributed ...)"."""
+    """CPU seconds by thread group between two `thread_cpu` snapshots ({group: {"cpu", "user",
+    "system", "threads"}}); with the process's total CPU over the same time, what threads that
+    ended meanwhile used (after their last reading) goes under "(unattributed ...)"."""
     groups: dict[str, dict[str, float]] = {}
-    for tid, (name, user, system) in sorted(after.items()):
-        _, u0, s0 = before.get(tid, (name, 0.0, 0.0))
-        g = groups.setdefault(thread_group(name), {"user": 0.0, "system": 0.0, "threads": 0})
+    for tid, (name, user, system, cpu) in sorted(after.items()):
+        _, u0, s0, c0 = before.get(tid, (name, 0.0, 0.0, 0.0))
+        g = groups.setdefault(thread_group(name), {"cpu": 0.0, "user": 0.0, "system": 0.0, "threads": 0})
+        g["cpu"] += cpu - c0
         g["user"] += user - u0
         g["system"] += system - s0
         g["threads"] += 1
     if total_s is not None:
-        rest = total_s - sum(g["user"] + g["system"] for g in groups.values())
+        rest = total_s - sum(g["cpu"] for g in groups.values())
         if rest > 0.01:
-            groups["(unattributed: threads that ended between readings, tick rounding; user + system)"] = {
-                "user": rest, "system": 0.0, "threads": 0}
+            groups["(unattributed: threads that ended between readings)"] = {
+                "cpu": rest, "user": 0.0, "system": 0.0, "threads": 0}
     return groups

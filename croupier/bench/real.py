@@ -54,7 +54,7 @@ from .cases import (
     steady_skip,
 )
 from .datagen import BenchData, DataSpec, ensure_data
-from .procstat import cpu_seconds, load_into_page_cache, peak_rss_mb, thread_cpu, thread_cpu_delta
+from .procstat import ThreadCPU, cpu_seconds, load_into_page_cache, peak_rss_mb, thread_cpu, thread_cpu_delta
 from .promscrape import scrape
 from .trainer import RankJob
 
@@ -339,17 +339,17 @@ class ThreadSampler:
         self._thread = threading.Thread(target=self._run, name="thread-sampler", daemon=True)
         self._thread.start()
 
-    def _named(self, snap: dict[int, tuple[str, float, float]]) -> dict[int, tuple[str, float, float]]:
+    def _named(self, snap: dict[int, ThreadCPU]) -> dict[int, ThreadCPU]:
         # Python 3.11 does not name OS threads after threading.Thread names: its threads all read "python"
         out = {}
-        for tid, (name, u, s) in snap.items():
+        for tid, (name, *cpu) in snap.items():
             if tid == self.pid:
                 name = "main thread (event loop)"
             elif name == "croupier-read":
                 name = "native read threads (blocking preads)"
             elif name.startswith("python"):
                 name = "other Python threads (I/O pool, CPU pool)"
-            out[tid] = (name, u, s)
+            out[tid] = (name, *cpu)
         return out
 
     def _sample(self) -> None:
