@@ -184,7 +184,18 @@ def uniformity_tests(
 
 def looks_uniform(pvalues: dict[str, float], alpha: float = 0.01) -> bool:
     """No test rejects at family-wise level `alpha` (Bonferroni over the tests run)."""
-    return min(pvalues.values()) > alpha / len(pvalues)
+    return not rejecting(pvalues, alpha)
+
+
+def bonferroni_level(pvalues: dict[str, float], alpha: float = 0.01) -> float:
+    """The p-value at or under which one of these tests rejects, at family-wise level `alpha`."""
+    return alpha / len(pvalues)
+
+
+def rejecting(pvalues: dict[str, float], alpha: float = 0.01) -> dict[str, float]:
+    """The tests that reject uniformity at family-wise level `alpha`: {test: p-value}."""
+    level = bonferroni_level(pvalues, alpha)
+    return {k: v for k, v in pvalues.items() if v <= level}
 
 
 # ---- the report -------------------------------------------------------------------

@@ -182,6 +182,23 @@ def test_the_goal_compares_croupier_with_the_uniform_peers_any_peer_and_the_smal
     assert g["10% cache"]["ratio"] == pytest.approx(10.0)
 
 
+def test_the_reading_names_the_tests_that_rejected_an_order_as_not_uniform() -> None:
+    from croupier.bench.peers import report
+
+    pvalues = {"position_vs_index": 0.59, "displacement": 0.90, "gaps": 0.98, "serial": 0.76,
+               "shards_per_batch": 0.25, "epochs": 0.00166}
+    q = {"uniform": False, "pvalues": pvalues, "shards_per_batch": 36.2, "mosaic_entropy": {"harmonic": 8.74}}
+    rep = {"cases": [{"system": "croupier", "label": "croupier", "variant": "default", "dataset": "text",
+                      "condition": {"name": "fs"}, "epochs": [{"samples_per_s": 1.0, "complete": True}],
+                      "quality": q, "peak_local_disk_mb": 0.0}],
+           "uniform_reference": {"text": {"shards_per_batch": 36.3, "mosaic_entropy": {"harmonic": 8.75}}},
+           "data": {"text_rows": 24_000, "images": 6_000}, "shards": 50}
+    line = next(x for x in report.reading(rep).splitlines() if "is not uniform" in x)
+    # The one test under the Bonferroni level (0.01 / 6) is named, with its p-value; the others are not.
+    assert "rejected by epochs p = 0.00166, against a Bonferroni level of 0.00167" in line
+    assert "shards_per_batch p" not in line and "displacement p" not in line
+
+
 # ---- tf.data service on S3: tensorflow-io in its own venv, a relay out of the service's namespace ------
 
 def test_tf_data_runs_on_s3_in_the_tensorflow_io_venv() -> None:

@@ -9,6 +9,19 @@ from typing import Any
 VARIANT_NAMES = {"default": "default", "strongest": "strongest shuffle", "cache10": "cache = 10% of data"}
 
 
+
+def _rejected_by(q: dict) -> str:
+    """The uniformity tests that rejected the order, with their p-values and the threshold."""
+    from croupier.shuffle_quality import bonferroni_level, rejecting
+
+    pv = q.get("pvalues") or {}
+    if not pv:
+        return "no p-values recorded"
+    failed = sorted((v, k) for k, v in rejecting(pv).items())
+    tests = ", ".join(f"{k} p = {v:.3g}" for v, k in failed) or "none"
+    return f"rejected by {tests}, against a Bonferroni level of {bonferroni_level(pv):.3g}"
+
+
 def _f(x: Any, fmt: str = ",.0f") -> str:
     return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, fmt)
 
@@ -252,7 +265,8 @@ def reading(rep: dict[str, Any]) -> str:
     for r in rep["cases"]:
         q = r.get("quality") or {}
         if r["variant"] == "default" and q and not q.get("uniform"):
-            facts.append(f"{r['label']}'s default order on {r['dataset']} ({r['condition']['name']}) is not uniform: "
+            facts.append(f"{r['label']}'s default order on {r['dataset']} ({r['condition']['name']}) is not uniform "
+                         f"({_rejected_by(q)}): "
                          f"{q['shards_per_batch']:.1f} distinct shards per batch (uniform: "
                          f"{rep['uniform_reference'][r['dataset']]['shards_per_batch']:.1f}), Mosaic entropy "
                          f"{q['mosaic_entropy']['harmonic']:.2f} (uniform: "
