@@ -168,15 +168,19 @@ def decode_image(im: pb.Image, mode: ImageDecode, index: int) -> Any:
 
             return Image.fromarray(arr)
         return torch.from_numpy(arr.copy()).permute(2, 0, 1)
+    from PIL import Image, UnidentifiedImageError
+
     if mode == "tensor" and _simplejpeg is not None and im.data[:3] == b"\xff\xd8\xff":
         try:
-            # YCbCr and grayscale only: those decode to Pillow's pixels exactly; Pillow
-            # converts CMYK/YCCK its own way.
-            if _simplejpeg.decode_jpeg_header(im.data)[2] in _FAST_JPEG_COLORSPACES:
+            # YCbCr and grayscale only: those decode to Pillow's pixels exactly (Pillow
+            # converts CMYK/YCCK its own way); and no larger than Pillow's decompression-bomb
+            # limit, so Pillow still warns about or refuses those as before.
+            h, w, colorspace, _ = _simplejpeg.decode_jpeg_header(im.data)
+            limit = Image.MAX_IMAGE_PIXELS
+            if colorspace in _FAST_JPEG_COLORSPACES and (limit is None or h * w <= limit):
                 return torch.from_numpy(_simplejpeg.decode_jpeg(im.data, colorspace="RGB")).permute(2, 0, 1)
         except ValueError:
             pass  # corrupt: Pillow's error says why
-    from PIL import Image, UnidentifiedImageError
 
     try:
         with Image.open(io.BytesIO(im.data)) as img:

@@ -81,3 +81,17 @@ def test_a_corrupt_jpeg_fails_with_pillows_reason_naming_the_sample(damage: str)
     bad = good[: len(good) // 2] if damage == "truncated" else good[:3] + b"\0" * 300
     with pytest.raises(SampleDecodeError, match=r"sample 12 \(cats/1\.jpg\): not a decodable image"):
         decode_image(pb.Image(data=bad, key="cats/1.jpg"), "tensor", 12)
+
+
+def test_a_jpeg_over_pillows_decompression_bomb_limit_is_refused_as_pillow_refuses_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    data = JPEGS["rgb 4:2:0"]  # 41 x 59 = 2,419 pixels
+    want = _pillow(data)
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 1_000)  # Pillow refuses over twice the limit
+    with pytest.raises(Image.DecompressionBombError):
+        decode_image(pb.Image(data=data), "tensor", 0)
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 2_000)  # over the limit: Pillow warns, and decodes
+    with pytest.warns(Image.DecompressionBombWarning):
+        got = decode_image(pb.Image(data=data), "tensor", 0)
+    assert torch.equal(got, want)
