@@ -10,6 +10,9 @@ from collections.abc import Iterable
 from pathlib import Path
 
 _TICK = os.sysconf("SC_CLK_TCK")
+#: The kernel keeps per-thread schedstat (ns on the CPU); checked once, so a thread that ends
+#: between its two reads is skipped like any ended thread, not read as if the file never existed.
+_SCHEDSTAT = os.path.exists(f"/proc/{os.getpid()}/task/{os.getpid()}/schedstat")
 
 
 def cpu_seconds(pid: int | str = "self", children: bool = False) -> float:
@@ -118,7 +121,7 @@ def thread_cpu(pid: int | str = "self") -> dict[int, ThreadCPU]:
     for task in Path(f"/proc/{pid}/task").iterdir():
         try:
             raw = (task / "stat").read_text()
-            exact = _schedstat_s(task)
+            exact = int((task / "schedstat").read_text().split()[0]) / 1e9 if _SCHEDSTAT else None
         except OSError:
             continue  # ended meanwhile
         name = raw[raw.index("(") + 1:raw.rindex(")")]
@@ -126,14 +129,6 @@ def thread_cpu(pid: int | str = "self") -> dict[int, ThreadCPU]:
         user, system = int(fields[11]) / _TICK, int(fields[12]) / _TICK
         out[int(task.name)] = (name, user, system, max(exact, user + system) if exact is not None else user + system)
     return out
-
-
-def _schedstat_s(task: Path) -> float | None:
-    """Seconds the thread has run (schedstat's first field, ns); None where the kernel lacks it."""
-    try:
-        return int((task / "schedstat").read_text().split()[0]) / 1e9
-    except FileNotFoundError:
-        return None
 
 
 def thread_group(name: str) -> str:

@@ -9,7 +9,6 @@ from typing import Any
 VARIANT_NAMES = {"default": "default", "strongest": "strongest shuffle", "cache10": "cache = 10% of data"}
 
 
-
 def _rejected_by(q: dict) -> str:
     """The uniformity tests that rejected the order, with their p-values and the threshold."""
     from croupier.shuffle_quality import bonferroni_level, rejecting
