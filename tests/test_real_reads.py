@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import concurrent.futures
 import threading
 from collections.abc import Sequence
@@ -195,6 +196,42 @@ def test_the_native_pool_holds_that_many_slow_preads_at_once(tmp_path: Path) -> 
         assert fs.stats()["max_in_flight"] >= n and store.stats.max_in_flight == n
         assert store.threads == n
         store.close()
+
+
+def test_the_native_pool_queues_past_its_threads_reuses_idle_ones_and_lets_them_go_on_close(tmp_path: Path) -> None:
+    """More reads than threads wait in the queue and all land, right; threads asleep take
+    the next reads instead of new threads starting; close() ends every thread."""
+    import time
+
+    from croupier.server.storage import native
+
+    if not native.available():
+        pytest.skip("the native read pool is not built (no C compiler at install time)")
+    data = np.random.default_rng(0).integers(0, 256, 1 << 16, dtype=np.uint8).tobytes()
+    path = tmp_path / "blob.bin"
+    path.write_bytes(data)
+    fd = os.open(path, os.O_RDONLY)
+    pool = native.NativeReadPool(4)
+    offsets = [(i * 97) % (len(data) - 100) for i in range(500)]
+
+    async def go(offs: list[int]) -> list[bytes]:
+        return await asyncio.gather(*(pool.pread(fd, o, 100) for o in offs))
+
+    try:
+        assert asyncio.run(go(offsets)) == [data[o : o + 100] for o in offsets]
+        assert pool.threads == 4
+        assert asyncio.run(go(offsets[:3])) == [data[o : o + 100] for o in offsets[:3]]
+        assert pool.threads == 4  # the sleeping threads took them: none started
+    finally:
+        pool.close()
+        os.close(fd)
+    for _ in range(500):  # bounded: 5 s
+        if pool.threads == 0:
+            break
+        time.sleep(0.01)
+    assert pool.threads == 0
+    with pytest.raises(RuntimeError, match="closed"):
+        pool.pread(fd, 0, 1)
 
 
 def test_a_row_of_a_large_table_costs_about_its_own_bytes(tmp_path: Path) -> None:

@@ -7,6 +7,13 @@
  * the server's CPU in the pool's loop). Here a worker only touches the GIL-free job
  * queues; the loop thread submits (one C call) and drains (one C call per wake-up).
  *
+ * A job goes straight to an idle thread, woken by its own semaphore; a thread that
+ * finishes takes a queued job before it sleeps. One condition variable shared by
+ * hundreds of sleepers cost about 40% more CPU per read (woken threads fought over the
+ * mutex; measured on the latency FS, benchmarks/results/readpool.md). io_uring was
+ * measured too and cost more: FUSE reads cannot complete inline, so io_uring hands each
+ * to a kernel worker thread, which blocks like ours, plus its own bookkeeping.
+ *
  * Pool(max_threads) -> pool
  *   pool.submit(token, fd, offset, size)        pread on an open fd
  *   pool.submit_path(token, path, offset, size[, roots])
@@ -29,6 +36,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <semaphore.h>
 #include <sys/eventfd.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -47,11 +55,19 @@ typedef struct job {
     size_t roots_len;
 } job;
 
+/* One native thread: sleeps on its own semaphore until `next` is handed to it. */
+typedef struct reader {
+    struct reader *next_idle;
+    sem_t wake;
+    job *next;
+    void *pool;
+} reader;
+
 typedef struct {
     PyObject_HEAD
     pthread_mutex_t mu;
-    pthread_cond_t cv;
-    job *todo_head, *todo_tail;
+    reader *idle_head; /* threads asleep, waiting for a job */
+    job *todo_head, *todo_tail; /* jobs no thread was free for */
     job *done_head, *done_tail;
     int efd;
     int threads, max_threads, idle, closing;
@@ -104,64 +120,94 @@ static void run_job(job *j) {
     if (own) close(fd);
 }
 
+static void push_todo(Pool *p, job *j) { /* with p->mu held */
+    j->next = NULL;
+    if (p->todo_tail) p->todo_tail->next = j; else p->todo_head = j;
+    p->todo_tail = j;
+}
+
 static void *worker(void *arg) {
-    Pool *p = (Pool *)arg;
+    reader *me = (reader *)arg;
+    Pool *p = (Pool *)me->pool;
     /* A name of its own (else "python"), so per-thread CPU accounting can tell the readers apart. */
     pthread_setname_np(pthread_self(), "croupier-read");
-    pthread_mutex_lock(&p->mu);
-    for (;;) {
-        while (!p->todo_head && !p->closing) {
-            p->idle++;
-            pthread_cond_wait(&p->cv, &p->mu);
-            p->idle--;
-        }
-        if (!p->todo_head) break; /* closing and nothing left */
-        job *j = p->todo_head;
-        p->todo_head = j->next;
-        if (!p->todo_head) p->todo_tail = NULL;
-        pthread_mutex_unlock(&p->mu);
-
+    job *j = me->next; /* the job it was started for */
+    while (j) {
         run_job(j);
-
         pthread_mutex_lock(&p->mu);
-        j->next = NULL;
         int was_empty = p->done_head == NULL;
+        j->next = NULL;
         if (p->done_tail) p->done_tail->next = j; else p->done_head = j;
         p->done_tail = j;
-        if (was_empty) { /* one wake-up per batch of completions */
+        j = p->todo_head; /* a queued job, else sleep until one is handed over */
+        if (j) {
+            p->todo_head = j->next;
+            if (!p->todo_head) p->todo_tail = NULL;
+        }
+        int quit = !j && p->closing;
+        if (!j && !quit) {
+            me->next = NULL;
+            me->next_idle = p->idle_head;
+            p->idle_head = me;
+            p->idle++;
+        }
+        pthread_mutex_unlock(&p->mu);
+        if (was_empty) { /* one wake-up of the loop per batch of completions */
             uint64_t one = 1;
             ssize_t w = write(p->efd, &one, sizeof one);
             (void)w;
         }
+        if (!j && !quit) {
+            while (sem_wait(&me->wake) != 0) {} /* EINTR */
+            j = me->next; /* NULL: the pool closes */
+        }
     }
+    pthread_mutex_lock(&p->mu);
     p->threads--;
     pthread_mutex_unlock(&p->mu);
+    sem_destroy(&me->wake);
+    free(me);
     return NULL;
 }
 
 static int enqueue(Pool *p, job *j) {
     pthread_mutex_lock(&p->mu);
     if (p->closing) { pthread_mutex_unlock(&p->mu); return -1; }
-    if (p->todo_tail) p->todo_tail->next = j; else p->todo_head = j;
-    p->todo_tail = j;
     p->pending++;
-    int start = p->idle == 0 && p->threads < p->max_threads;
+    reader *r = p->idle_head;
+    if (r) { /* straight to an idle thread */
+        p->idle_head = r->next_idle;
+        p->idle--;
+        r->next = j;
+        pthread_mutex_unlock(&p->mu);
+        sem_post(&r->wake);
+        return 0;
+    }
+    int start = p->threads < p->max_threads;
     if (start) p->threads++;
-    pthread_cond_signal(&p->cv);
+    else push_todo(p, j); /* the next thread to finish takes it */
     pthread_mutex_unlock(&p->mu);
-    if (start) {
+    if (!start) return 0;
+    int rc = -1;
+    reader *nr = calloc(1, sizeof *nr);
+    if (nr && sem_init(&nr->wake, 0, 0) == 0) {
+        nr->pool = p;
+        nr->next = j;
         pthread_attr_t attr;
         pthread_attr_init(&attr);
         pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
         pthread_attr_setstacksize(&attr, 64 * 1024); /* a pread loop needs little stack */
         pthread_t t;
-        int rc = pthread_create(&t, &attr, worker, p);
+        rc = pthread_create(&t, &attr, worker, nr);
         pthread_attr_destroy(&attr);
-        if (rc != 0) { /* the running threads take the job */
-            pthread_mutex_lock(&p->mu);
-            p->threads--;
-            pthread_mutex_unlock(&p->mu);
-        }
+        if (rc != 0) sem_destroy(&nr->wake);
+    }
+    if (rc != 0) { /* the running threads take the job */
+        free(nr);
+        pthread_mutex_lock(&p->mu);
+        p->threads--;
+        push_todo(p, j);
+        pthread_mutex_unlock(&p->mu);
     }
     return 0;
 }
@@ -243,8 +289,16 @@ static PyObject *Pool_fileno(Pool *p, PyObject *unused) { return PyLong_FromLong
 static PyObject *Pool_close(Pool *p, PyObject *unused) {
     pthread_mutex_lock(&p->mu);
     p->closing = 1;
-    pthread_cond_broadcast(&p->cv);
+    reader *r = p->idle_head; /* wake the sleepers with no job: they exit */
+    p->idle_head = NULL;
+    p->idle = 0;
     pthread_mutex_unlock(&p->mu);
+    while (r) {
+        reader *n = r->next_idle;
+        r->next = NULL;
+        sem_post(&r->wake);
+        r = n;
+    }
     Py_RETURN_NONE;
 }
 
@@ -265,7 +319,6 @@ static int Pool_init(Pool *p, PyObject *args, PyObject *kwds) {
     p->efd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
     if (p->efd < 0) { PyErr_SetFromErrno(PyExc_OSError); return -1; }
     pthread_mutex_init(&p->mu, NULL);
-    pthread_cond_init(&p->cv, NULL);
     return 0;
 }
 

@@ -1,0 +1,60 @@
+"""The read-pool benchmark's programs run and count what they read (on local files; the
+benchmark itself runs them on the latency FS)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from croupier.bench import readpool
+
+
+@pytest.fixture
+def blobs(tmp_path: Path) -> list[Path]:
+    out = []
+    for i in range(2):
+        p = tmp_path / f"blob-{i}.bin"
+        p.write_bytes(bytes(range(256)) * 1024)
+        out.append(p)
+    return out
+
+
+@pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None, reason="no C compiler")
+def test_the_raw_reader_does_every_read_on_its_threads(tmp_path: Path, blobs: list[Path]) -> None:
+    binaries = readpool.build_raw(tmp_path)
+    r = subprocess.run([str(binaries["threads"]), "threads", "500", "8", "100", "0", *map(str, blobs)],
+                       capture_output=True, text=True, timeout=60, check=True)
+    out = json.loads(r.stdout)
+    assert out["reads"] == 500 and out["seconds"] > 0 and out["user_s"] >= 0 and out["system_s"] >= 0
+    bad = subprocess.run([str(binaries["threads"]), "threads", "5", "0", "100", "0", str(blobs[0])],
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "INFLIGHT" in bad.stderr
+
+
+def test_the_pool_child_reads_through_croupiers_pool_and_splits_its_cpu(blobs: list[Path]) -> None:
+    from croupier.server.storage import native
+
+    if not native.available():
+        pytest.skip("the native read pool is not built")
+    r = subprocess.run([sys.executable, "-m", "croupier.bench.readpool", "--child", "--reads", "300", "--in-flight", "16",
+                        "--size", "100", *map(str, blobs)], capture_output=True, text=True, timeout=120, check=True)
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["reads"] == 300 and out["cpu_s"] >= out["loop_s"] >= 0 and out["read_threads_s"] >= 0
+
+
+def test_the_report_gives_medians_per_read_and_says_what_did_not_run() -> None:
+    runs = [{"reads": 1000, "seconds": s, "cpu_s": c, "loop_s": 0.01, "read_threads_s": 0.02, "daemon_s": 0.03}
+            for s, c in [(1.0, 0.030), (0.5, 0.040), (2.0, 0.050)]]
+    a = argparse.Namespace(reads=1000, size=100, in_flight=8, files=2, median_ms=5.0, rounds=3, against=["abc"], out=None)
+    rep = readpool.summarize({"pool": runs}, {"io_uring": "liburing is not installed"}, a, 0.0, (0, 0, 0), (0, 0, 0))
+    row = rep["rows"]["pool"]
+    assert row["reads_per_s"] == 1000 and row["cpu_us"] == pytest.approx(40.0) and row["daemon_us"] == pytest.approx(30.0)
+    assert "| pool | 1,000 | 40.0 | 10.0 | 20.0 | 30.0 |" in rep["markdown"]
+    assert "io_uring | not run: liburing is not installed" in rep["markdown"]
+    assert "--against abc" in rep["command"]
