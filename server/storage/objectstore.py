@@ -1,9 +1,13 @@
 """Object stores (S3 first; GCS and Azure as obstore builds them) behind the `Store` interface.
 
-Built on obstore (Python bindings of Rust's object_store): each async read is one range
-GET awaited on the event loop while the request itself runs on obstore's Tokio runtime,
-so hundreds to thousands of GETs are in flight with no thread per read. Open-time calls
-(HEAD, LIST) are obstore's blocking ones, which the catalog runs in an executor.
+Built on obstore (Python bindings of Rust's object_store), with S3 GETs done on the event
+loop itself where that is signed as obstore would sign it (s3http.py: static keys or no
+signing, HTTP/1.1, no proxy): a GET is a write and a parse on a pooled connection, 3x less
+CPU than through obstore's Tokio threads, and any GET it cannot complete (an error status,
+a dropped connection, a timeout) is done again through obstore, whose retries and error
+messages apply. Either way hundreds to thousands of GETs are in flight with no thread per
+read. Open-time calls (HEAD, LIST) are obstore's blocking ones, which the catalog runs in
+an executor.
 
 Paths are object keys in the bucket, without a leading slash ("data/part-0.arrow");
 `url(path)` gives "s3://bucket/data/part-0.arrow". '/' separates folders: `list_dir` is a
@@ -31,7 +35,9 @@ Configuration is what the AWS SDKs read, plus explicit overrides (the server's f
   virtual_hosted_style_request; HTTP client: timeout, connect_timeout, read_timeout,
   pool_idle_timeout, pool_max_idle_per_host, http2, allow_invalid_certificates,
   proxy_url, user_agent; retries: max_retries, retry_timeout (seconds);
-  coalesce_bytes; any other key goes to obstore's store config as is.
+  coalesce_bytes; fast_get (default true; also CROUPIER_S3_FAST_GET=0): GETs on the loop
+  where possible; any other key goes to obstore's store config as is (and sends every GET
+  through obstore).
 
 Retries are obstore's (10, exponential backoff from 100 ms, for 5xx, connection errors
 and timeouts), but a read gives up 60 s after its first attempt rather than 3 minutes,
@@ -49,6 +55,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import logging
 import os
 import re
 from collections.abc import Mapping, Sequence
@@ -59,6 +66,7 @@ import obstore
 from obstore.store import AzureStore, GCSStore, S3Store
 
 from .base import FileEntry, Range, Store
+from .s3http import RangeGetClient, StaticCredentials
 
 #: Neighbouring ranges of one `read_ranges` call closer than this are read by one GET.
 DEFAULT_COALESCE_BYTES = 16 << 10
@@ -77,6 +85,14 @@ _DURATION_KEYS = {"connect_timeout", "timeout", "read_timeout", "pool_idle_timeo
 _RETRY_KEYS = {"max_retries", "retry_timeout"}
 
 SCHEMES = ("s3", "gs", "az")
+
+log = logging.getLogger("croupier.storage")
+
+#: S3 store options the direct GET client honours as obstore does; any other sends every
+#: GET through obstore.
+_FAST_CONFIG_KEYS = {"region", "endpoint", "aws_endpoint_url_s3", "access_key_id", "aws_access_key_id",
+                     "secret_access_key", "aws_secret_access_key", "session_token", "token", "skip_signature",
+                     "virtual_hosted_style_request"}
 
 
 class ObjectStoreError(OSError):
@@ -114,6 +130,20 @@ def _duration(value: Any) -> Any:
     if isinstance(value, (int, float)):
         return f"{int(round(value * 1000))}ms"
     return value
+
+
+def _seconds(value: Any, default: float) -> float:
+    """obstore's duration ("5s", "250ms", timedelta, seconds) in seconds."""
+    if value is None:
+        return default
+    if isinstance(value, timedelta):
+        return value.total_seconds()
+    if isinstance(value, (int, float)):
+        return float(value)
+    m = re.fullmatch(r"\s*([0-9.]+)\s*(ms|s|m|h)?\s*", str(value))
+    if not m:
+        return default
+    return float(m.group(1)) * {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}[m.group(2) or "s"]
 
 
 def _truthy(value: Any) -> bool:
@@ -184,6 +214,13 @@ class ObjectStore(Store):
         self.bucket = bucket
         opts = dict(options or {})
         self.coalesce_bytes = int(opts.pop("coalesce_bytes", DEFAULT_COALESCE_BYTES))
+        fast_get = opts.pop("fast_get", None)
+        if fast_get is None:
+            fast_get = os.environ.get("CROUPIER_S3_FAST_GET", "1")
+        #: S3 GETs on the loop (s3http.py) when usable; None: every GET through obstore
+        self.fast: RangeGetClient | None = None
+        #: why GETs go through obstore only ("" when `fast` serves them)
+        self.fast_off_reason = "" if _truthy(fast_get) else "turned off (fast_get=false / CROUPIER_S3_FAST_GET=0)"
         client: dict[str, Any] = dict(_CLIENT_DEFAULTS)
         retry: dict[str, Any] = {"retry_timeout": timedelta(seconds=_RETRY_TIMEOUT_S)}
         config: dict[str, Any] = {}
@@ -209,6 +246,10 @@ class ObjectStore(Store):
         try:
             if scheme == "s3":
                 self.client = self._s3(config, client, retry)
+                if not self.fast_off_reason:
+                    self.fast, self.fast_off_reason = self._fast_client(config, client)
+                log.info("%s: GETs %s", self.url(""), "on the event loop (s3http)" if self.fast is not None
+                         else f"through obstore: {self.fast_off_reason}")
             elif scheme == "gs":
                 self.endpoint = "https://storage.googleapis.com"
                 self.client = GCSStore(bucket, config=config or None, client_options=client, retry_config=retry)
@@ -236,6 +277,37 @@ class ObjectStore(Store):
         if "skip_signature" in config:
             config["skip_signature"] = _truthy(config["skip_signature"])
         return S3Store(self.bucket, config=config, client_options=client, retry_config=retry)
+
+    def _fast_client(self, config: dict[str, Any], client: dict[str, Any]) -> tuple[RangeGetClient | None, str]:
+        """The direct GET client, or None and why not: only for what it signs and speaks
+        the same way obstore would (static keys or no signing, HTTP/1.1, no proxy)."""
+        extra = set(config) - _FAST_CONFIG_KEYS
+        if extra:
+            return None, f"store options {sorted(extra)} need obstore"
+        if any(k in client for k in ("proxy_url", "root_certificate", "default_headers", "http2_only")) or \
+                client.get("http1_only") is False:
+            return None, "a proxy, custom certificates, headers or HTTP/2 need obstore"
+        if _truthy(config.get("skip_signature", False)):
+            creds = None
+        else:
+            key = config.get("access_key_id") or config.get("aws_access_key_id") or _env("AWS_ACCESS_KEY_ID")
+            secret = config.get("secret_access_key") or config.get("aws_secret_access_key") or _env("AWS_SECRET_ACCESS_KEY")
+            token = config.get("session_token") or config.get("token") or _env("AWS_SESSION_TOKEN")
+            if not key or not secret:
+                return None, "credentials other than static keys are resolved by obstore"
+            creds = StaticCredentials(str(key), str(secret), str(token) if token else None)
+        if self.endpoint and self.endpoint.startswith("http://") and not _truthy(client.get("allow_http", False)):
+            return None, "http endpoint without allow_http"
+        try:
+            fast = RangeGetClient(
+                self.endpoint or "", self.bucket, config["region"], creds,
+                virtual_hosted=_truthy(config.get("virtual_hosted_style_request", False)),
+                timeout_s=_seconds(client.get("timeout"), 60.0),
+                connect_timeout_s=_seconds(client.get("connect_timeout"), 5.0),
+                verify_tls=not _truthy(client.get("allow_invalid_certificates", False)))
+        except ValueError as e:
+            return None, str(e)
+        return fast, ""
 
     # ---- naming -------------------------------------------------------------------
     def url(self, path: str) -> str:
@@ -373,6 +445,16 @@ class ObjectStore(Store):
     # ---- the hot path (async) -----------------------------------------------------
     async def _get(self, path: str, start: int, end: int) -> bytes | memoryview:
         """Bytes [start, end) of the object (end -1: to its end), fewer past its end."""
+        if self.fast is not None:
+            fut: asyncio.Future[bytes | None] = asyncio.get_running_loop().create_future()
+            self.fast.get(self._key(path), start, end,
+                          lambda body, _reason: fut.done() or fut.set_result(body))
+            body = await fut
+            if body is not None:
+                return body
+        return await self._obstore_get(path, start, end)
+
+    async def _obstore_get(self, path: str, start: int, end: int) -> bytes | memoryview:
         key = self._key(path)
         try:
             if end < 0:
@@ -390,12 +472,11 @@ class ObjectStore(Store):
             return b""
         return bytes(await self._get(path, offset, -1 if size < 0 else offset + size))
 
-    async def _read_ranges(self, path: str, ranges: Sequence[Range]) -> list[bytes]:
-        if len(ranges) == 1:
-            return [await self._read(path, *ranges[0])]
-        out: list[bytes] = [b""] * len(ranges)
+    def _groups(self, ranges: Sequence[Range]) -> list[tuple[int, int, list[int]]]:
+        """Neighbouring ranges merged into GETs: (start, end or -1, indexes of `ranges`);
+        empty ranges need no GET."""
         order = sorted((i for i, (_, s) in enumerate(ranges) if s != 0), key=lambda i: ranges[i][0])
-        groups: list[tuple[int, int, list[int]]] = []  # (start, end or -1, indexes)
+        groups: list[tuple[int, int, list[int]]] = []
         for i in order:
             o, s = ranges[i]
             end = -1 if s < 0 else o + s
@@ -408,15 +489,81 @@ class ObjectStore(Store):
                     groups[-1] = (gs, -1, idx + [i])
                     continue
             groups.append((o, end, [i]))
+        return groups
+
+    @staticmethod
+    def _split(ranges: Sequence[Range], out: list[bytes], gs: int, idx: list[int], data: bytes | memoryview) -> None:
+        view = memoryview(data)
+        for i in idx:
+            o, s = ranges[i]
+            a = o - gs
+            out[i] = bytes(view[a:] if s < 0 else view[a:a + s])
+
+    async def _read_ranges(self, path: str, ranges: Sequence[Range]) -> list[bytes]:
+        if len(ranges) == 1:
+            return [await self._read(path, *ranges[0])]
+        out: list[bytes] = [b""] * len(ranges)
+        groups = self._groups(ranges)
         datas = await asyncio.gather(*(self._get(path, gs, ge) for gs, ge, _ in groups))
         for (gs, _, idx), data in zip(groups, datas):
-            view = memoryview(data)
-            for i in idx:
-                o, s = ranges[i]
-                a = o - gs
-                out[i] = bytes(view[a:] if s < 0 else view[a:a + s])
+            self._split(ranges, out, gs, idx, data)
         return out
 
+    def submit_ranges(self, path: str, ranges: Sequence[Range], callback) -> bool:
+        """The ranges' GETs straight on the loop (s3http), one callback when all landed; a GET
+        it hands back is done through obstore. False without the direct client."""
+        fast = self.fast
+        if fast is None:
+            return False
+        n = len(ranges)
+        stats = self.stats
+        stats.started(n)
+        out: list[bytes] = [b""] * n
+        groups = self._groups(ranges)
+        left = [len(groups)]
+        key = self._key(path)
+
+        def finish(err: BaseException | None) -> None:
+            stats.finished(sum(map(len, out)) if err is None else 0, n, ok=err is None)
+            callback(out if err is None else None, err)
+
+        if not groups:
+            finish(None)
+            return True
+
+        def landed(gs: int, idx: list[int], data: bytes | memoryview) -> None:
+            if left[0] <= 0:
+                return  # an earlier GET failed: the callback was told
+            self._split(ranges, out, gs, idx, data)
+            left[0] -= 1
+            if left[0] == 0:
+                finish(None)
+
+        def by_obstore(gs: int, ge: int, idx: list[int]) -> None:
+            task = asyncio.get_running_loop().create_task(self._obstore_get(path, gs, ge))
+
+            def settled(t: asyncio.Task) -> None:
+                if left[0] <= 0:
+                    return
+                exc = t.exception() if not t.cancelled() else asyncio.CancelledError()
+                if exc is not None:
+                    left[0] = -1
+                    finish(exc)
+                else:
+                    landed(gs, idx, t.result())
+
+            task.add_done_callback(settled)
+
+        for gs, ge, idx in groups:
+            def done(body: bytes | None, _reason: str | None, gs: int = gs, ge: int = ge, idx: list[int] = idx) -> None:
+                if body is None:
+                    by_obstore(gs, ge, idx)
+                else:
+                    landed(gs, idx, body)
+
+            fast.get(key, gs, ge, done)
+        return True
+
     def close(self) -> None:
-        """Nothing to release: obstore's connections close when idle. (Stores are shared
-        between datasets through `open_store`'s cache, so this must not break them.)"""
+        """Nothing to release: connections close when idle. (Stores are shared between
+        datasets through `open_store`'s cache, so this must not break them.)"""

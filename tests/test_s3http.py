@@ -1,0 +1,183 @@
+"""S3 GETs on the event loop (server/storage/s3http.py): signed as the AWS SDK signs, done
+against real S3 servers on loopback, and every GET it does not complete handed to obstore,
+whose answers and errors then apply unchanged."""
+
+from __future__ import annotations
+
+import asyncio
+import calendar
+import random
+import time
+from urllib.parse import quote
+
+import pytest
+from s3_fixtures import CREDENTIALS, S3Backend, moto_backend, own_backend, s3  # noqa: F401
+
+from croupier.bench.s3server import running
+from croupier.server.storage.objectstore import BucketNotFoundError, ObjectStore
+from croupier.server.storage.s3http import RangeGetClient, SigV4, StaticCredentials
+
+DATA = random.Random(3).randbytes(200_000)
+
+
+def _botocore_authorization(url: str, headers: dict[str, str], creds: StaticCredentials, region: str) -> tuple[str, float]:
+    """botocore's Authorization header for a GET of `url`, and the time it signed at."""
+    botocore = pytest.importorskip("botocore")
+    from botocore.auth import S3SigV4Auth
+    from botocore.awsrequest import AWSRequest
+    from botocore.credentials import Credentials
+
+    del botocore
+    req = AWSRequest(method="GET", url=url, headers=dict(headers))
+    S3SigV4Auth(Credentials(creds.access_key_id, creds.secret_access_key, creds.session_token), "s3", region).add_auth(req)
+    when = calendar.timegm(time.strptime(req.headers["X-Amz-Date"], "%Y%m%dT%H%M%SZ"))
+    return req.headers["Authorization"], float(when)
+
+
+@pytest.mark.parametrize(
+    "endpoint,key,rng,token,virtual",
+    [
+        ("https://s3.eu-west-1.amazonaws.com", "data/part-0.arrow", (100, 1124), None, False),
+        ("https://s3.eu-west-1.amazonaws.com", "data/part-0.arrow", (0, -1), "FwoGZX-session", False),
+        ("https://minio.example:9443", "images/a cat+dog/ünï €.jpg", (5, -1), None, False),
+        ("https://s3.eu-west-1.amazonaws.com", "x/y.tar", (7, 8), None, True),
+    ],
+)
+def test_requests_are_signed_as_botocore_signs_them(endpoint: str, key: str, rng: tuple[int, int], token: str | None,
+                                                    virtual: bool) -> None:
+    creds = StaticCredentials("AKIDEXAMPLE", "wJalrXUtnFEMI/K7MDENG+bPxRfiCYEXAMPLEKEY", token)
+    client = RangeGetClient(endpoint, "my-bucket", "eu-west-1", creds, virtual_hosted=virtual)
+    start, end = rng
+    headers = {}
+    if not (start == 0 and end < 0):
+        headers["Range"] = f"bytes={start}-" if end < 0 else f"bytes={start}-{end - 1}"
+    # keys percent-encoded as botocore's S3 serializer encodes them before signing
+    url = f"{endpoint.replace('://', '://my-bucket.') if virtual else endpoint + '/my-bucket'}/{quote(key, safe='/~')}"
+    want, when = _botocore_authorization(url, headers, creds, "eu-west-1")
+    request = client.request(key, start, end, now=when).decode()
+    lines = dict(line.split(": ", 1) for line in request.split("\r\n")[1:] if ": " in line)
+    assert lines["Authorization"] == want
+    assert (lines.get("x-amz-security-token")) == token
+    assert lines["Host"] == client.host_header == (("my-bucket." if virtual else "") + endpoint.split("://")[1].replace(":443", ""))
+
+
+def test_a_signing_key_is_made_once_a_day() -> None:
+    signer = SigV4(StaticCredentials("k", "s"), "us-east-1")
+    signer.headers("h", "/b/k", None, now=86400 * 20000 + 5)
+    first = signer._key
+    signer.headers("h", "/b/k", None, now=86400 * 20000 + 80000)
+    assert signer._key is first
+    signer.headers("h", "/b/k", None, now=86400 * 20001 + 1)
+    assert signer._key != first
+
+
+def test_range_and_whole_gets_are_done_on_the_loop_with_no_obstore_call(s3: S3Backend) -> None:
+    bucket = s3.make_bucket({"d/blob.bin": DATA, "d/empty.bin": b""})
+    store = ObjectStore(bucket, options=s3.options())
+    assert store.fast is not None, store.fast_off_reason
+    n = len(DATA)
+    cases = [(0, 10), (1000, 4096), (n - 5, 100), (n, 10), (0, -1), (n - 7, -1), (123, 0)]
+
+    async def go() -> None:
+        for offset, size in cases:
+            want = DATA[offset:] if size < 0 else DATA[offset:offset + size]
+            assert await store.read("d/blob.bin", offset, size) == want, (offset, size)
+        assert await store.read("d/empty.bin", 0, -1) == b""
+        # the callback path, with neighbours merged into one GET and a far range apart
+        got: list = []
+        landed = asyncio.get_running_loop().create_future()
+        assert store.submit_ranges("d/blob.bin", [(10, 5), (20, 5), (150_000, 3), (7, 0)],
+                                   lambda parts, err: (got.append((parts, err)), landed.set_result(None)))
+        await landed
+        assert got == [([DATA[10:15], DATA[20:25], DATA[150_000:150_003], b""], None)]
+
+    asyncio.run(go())
+    assert store.fast.done >= len(cases) + 2 and store.fast.handed_back == 0
+    assert store.stats.errors == 0 and store.stats.in_flight == 0
+
+
+def test_errors_come_from_obstore_unchanged(s3: S3Backend) -> None:
+    bucket = s3.make_bucket({"d/blob.bin": DATA})
+    store = ObjectStore(bucket, options=s3.options(max_retries=0))
+
+    async def missing_key() -> None:
+        await store.read("d/nope.bin", 0, 10)
+
+    with pytest.raises(FileNotFoundError, match=f"s3://{bucket}/d/nope.bin"):
+        asyncio.run(missing_key())
+    assert store.fast.handed_back == 1
+    s3.drop_bucket(bucket)
+    errors: list = []
+
+    async def gone() -> None:
+        landed = asyncio.get_running_loop().create_future()
+        store.submit_ranges("d/blob.bin", [(0, 10)], lambda parts, err: (errors.append(err), landed.set_result(None)))
+        await landed
+
+    asyncio.run(gone())
+    assert isinstance(errors[0], BucketNotFoundError) and bucket in str(errors[0])
+
+
+async def _relay_dropping_first(target_port: int, dropped: list[int]) -> asyncio.AbstractServer:
+    """A TCP relay to the S3 server that closes its first connection once the request came."""
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if not dropped:
+            dropped.append(1)
+            await reader.read(1)
+            writer.close()
+            return
+        up_r, up_w = await asyncio.open_connection("127.0.0.1", target_port)
+
+        async def pipe(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+            try:
+                while data := await r.read(65536):
+                    w.write(data)
+                    await w.drain()
+            finally:
+                w.close()
+
+        await asyncio.gather(pipe(reader, up_w), pipe(up_r, writer), return_exceptions=True)
+
+    return await asyncio.start_server(handle, "127.0.0.1", 0)
+
+
+def test_a_get_whose_connection_drops_is_done_by_obstore() -> None:
+    with running(None) as srv:
+        backend = S3Backend("s3server", srv.endpoint, srv)
+        bucket = backend.make_bucket({"d/blob.bin": DATA})
+        port = int(srv.endpoint.rsplit(":", 1)[1])
+        dropped: list[int] = []
+
+        async def go() -> tuple[bytes, ObjectStore]:
+            relay = await _relay_dropping_first(port, dropped)
+            relay_port = relay.sockets[0].getsockname()[1]
+            store = ObjectStore(bucket, options={**CREDENTIALS, "endpoint": f"http://127.0.0.1:{relay_port}"})
+            try:
+                return await store.read("d/blob.bin", 500, 1000), store
+            finally:
+                relay.close()
+
+        data, store = asyncio.run(go())
+    assert data == DATA[500:1500] and dropped == [1]
+    assert store.fast.handed_back == 1 and store.fast.done == 0
+
+
+def test_the_direct_path_is_used_only_where_it_signs_as_obstore_would(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "CROUPIER_S3_FAST_GET"):
+        monkeypatch.delenv(name, raising=False)
+    endpoint = "http://127.0.0.1:9"
+    assert ObjectStore("b1", options={**CREDENTIALS, "endpoint": endpoint}).fast is not None
+    assert ObjectStore("b1", options={"endpoint": endpoint, "skip_signature": True}).fast is not None
+    off = ObjectStore("b1", options={"endpoint": endpoint})  # no keys: obstore's provider chain
+    assert off.fast is None and "static keys" in off.fast_off_reason
+    off = ObjectStore("b1", options={**CREDENTIALS, "endpoint": endpoint, "fast_get": False})
+    assert off.fast is None and "turned off" in off.fast_off_reason
+    off = ObjectStore("b1", options={**CREDENTIALS, "endpoint": endpoint, "proxy_url": "http://127.0.0.1:3128"})
+    assert off.fast is None and "proxy" in off.fast_off_reason
+    monkeypatch.setenv("CROUPIER_S3_FAST_GET", "0")
+    assert ObjectStore("b1", options={**CREDENTIALS, "endpoint": endpoint}).fast is None
+    monkeypatch.setenv("CROUPIER_S3_FAST_GET", "1")
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "k")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "s")
+    assert ObjectStore("b1", options={"endpoint": endpoint}).fast is not None
