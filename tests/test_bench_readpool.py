@@ -1,5 +1,5 @@
-"""The read-pool benchmark's programs run and count what they read (on local files; the
-benchmark itself runs them on the latency FS)."""
+"""The read-pool and S3 GET benchmarks run and count what they read (the read pool on local
+files here; the benchmark itself runs it on the latency FS)."""
 
 from __future__ import annotations
 
@@ -58,3 +58,15 @@ def test_the_report_gives_medians_per_read_and_says_what_did_not_run() -> None:
     assert "| pool | 1,000 | 40.0 | 10.0 | 20.0 | 30.0 |" in rep["markdown"]
     assert "io_uring | not run: liburing is not installed" in rep["markdown"]
     assert "--against abc" in rep["command"]
+
+
+def test_the_s3_get_benchmark_measures_both_ways_on_a_real_server(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    from croupier.bench import s3get
+
+    out = tmp_path / "s3get.md"
+    assert s3get.main(["--reads", "60", "--in-flight", "8", "--rounds", "1", "--latency-ms", "2", "--out", str(out)]) == 0
+    md = out.read_text()
+    assert "| through obstore | 8 |" in md and "| on the loop (s3http) | 8 |" in md
+    runs = json.loads(out.with_suffix(".json").read_text())["results"]
+    assert runs["direct | 8"][0]["direct_gets"] >= 60 and runs["obstore | 8"][0]["direct_gets"] == 0
+    assert runs["obstore | 8"][0]["tokio_s"] > 0
