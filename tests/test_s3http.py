@@ -181,3 +181,62 @@ def test_the_direct_path_is_used_only_where_it_signs_as_obstore_would(monkeypatc
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", "k")
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "s")
     assert ObjectStore("b1", options={"endpoint": endpoint}).fast is not None
+
+
+class _Transport:
+    def __init__(self) -> None:
+        self.written: list[bytes] = []
+        self.state = "open"
+
+    def write(self, data: bytes) -> None:
+        self.written.append(data)
+
+    def close(self) -> None:
+        self.state = "closed"
+
+    def abort(self) -> None:
+        self.state = "aborted"
+
+
+class _Pool:
+    def __init__(self) -> None:
+        self.released: list = []
+
+    def release(self, conn) -> None:
+        self.released.append(conn)
+
+    def lost(self, conn) -> None:
+        pass
+
+
+def _answer(chunks: list[bytes], ranged=(10, 15)):
+    from croupier.server.storage.s3http import _Connection
+
+    pool, transport, got = _Pool(), _Transport(), []
+    conn = _Connection(pool)  # type: ignore[arg-type]
+    conn.connection_made(transport)  # type: ignore[arg-type]
+    conn.send(b"GET ...", lambda body, reason: got.append((body, reason)), ranged)
+    for c in chunks:
+        conn.data_received(c)
+    return got, transport.state, bool(pool.released)
+
+
+def test_answers_are_parsed_whatever_their_pieces_and_anything_odd_is_handed_back() -> None:
+    ok = b"HTTP/1.1 206 Partial Content\r\nContent-Range: bytes 10-14/99\r\nContent-Length: 5\r\n\r\nhello"
+    for cut in (1, 20, len(ok) - 5, len(ok) - 1):  # split anywhere: head, body
+        assert _answer([ok[:cut], ok[cut:]]) == ([(b"hello", None)], "open", True)
+    assert _answer([b"HTTP/1.1 200 OK\r\ncontent-length:20\r\n\r\n" + bytes(range(65, 85))]) == \
+        ([(bytes(range(75, 80)), None)], "open", True)  # Range ignored: the slice is cut here
+    assert _answer([b"HTTP/1.1 416 Range Not Satisfiable\r\nContent-Length: 3\r\n\r\nxyz"])[0] == [(b"", None)]
+    assert _answer([b"HTTP/1.1 206 OK\r\nConnection: close\r\nContent-Length: 1\r\n\r\nz"]) == ([(b"z", None)], "closed", False)
+    assert _answer([b"HTTP/1.0 206 OK\r\nContent-Length: 1\r\n\r\nz"])[1] == "closed"
+    assert _answer([b"HTTP/1.0 206 OK\r\nConnection: keep-alive\r\nContent-Length: 1\r\n\r\nz"])[1] == "open"
+    assert _answer([b"HTTP/1.1 206 OK\r\nConnection: keep-alive\r\nContent-Length: 1\r\n\r\nz"])[1] == "open"
+    # handed back: errors, chunked bodies, no length, garbage; the connection is not reused
+    assert _answer([b"HTTP/1.1 503 Slow Down\r\nContent-Length: 2\r\n\r\nno"])[0] == [(None, "HTTP 503")]
+    for bad in (b"HTTP/1.1 206 OK\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n0\r\n\r\n",
+                b"HTTP/1.1 206 OK\r\n\r\nhello", b"SPAM\r\n\r\n", b"HTTP/1.1 2x6 OK\r\nContent-Length: 1\r\n\r\nz"):
+        got, state, reused = _answer([bad])
+        assert got[0][0] is None and state == "aborted" and not reused, bad
+    got, state, reused = _answer([ok + b"HTTP/1.1 206"])  # more than was asked: not trusted
+    assert got == [(b"hello", None)] and state == "closed" and not reused

@@ -60,36 +60,38 @@ class SigV4:
         self.region = region
         self._day = ""
         self._key = b""
+        self._second = -1
+        self._amz = self._scope = ""
 
     def _signing_key(self, day: str) -> bytes:
         if day != self._day:
-            k = hmac.new(("AWS4" + self.credentials.secret_access_key).encode(), day.encode(), hashlib.sha256).digest()
+            k = hmac.digest(("AWS4" + self.credentials.secret_access_key).encode(), day.encode(), "sha256")
             for part in (self.region, "s3", "aws4_request"):
-                k = hmac.new(k, part.encode(), hashlib.sha256).digest()
+                k = hmac.digest(k, part.encode(), "sha256")
             self._key, self._day = k, day
         return self._key
 
     def headers(self, host: str, path: str, range_value: str | None, now: float | None = None) -> str:
         """The request's x-amz-* and Authorization header lines (CRLF-terminated) for a GET
         of `path` (already URI-encoded) with this Range (or none)."""
-        amz = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime(now))
-        day = amz[:8]
+        second = int(time.time() if now is None else now)
+        if second != self._second:  # the date strings change once a second
+            amz = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime(second))
+            scope = f"{amz[:8]}/{self.region}/s3/aws4_request"
+            self._second, self._amz, self._scope = second, amz, scope
+            self._key = self._signing_key(amz[:8])
+        amz, scope = self._amz, self._scope
         token = self.credentials.session_token
-        canon = [f"host:{host}"]
-        names = ["host"]
-        if range_value is not None:
-            canon.append(f"range:{range_value}")
-            names.append("range")
-        canon += [f"x-amz-content-sha256:{EMPTY_SHA256}", f"x-amz-date:{amz}"]
-        names += ["x-amz-content-sha256", "x-amz-date"]
+        rng = f"range:{range_value}\n" if range_value is not None else ""
+        signed = ("host;range;" if range_value is not None else "host;") + "x-amz-content-sha256;x-amz-date"
+        tok = ""
         if token:
-            canon.append(f"x-amz-security-token:{token}")
-            names.append("x-amz-security-token")
-        signed = ";".join(names)
-        request = f"GET\n{path}\n\n" + "\n".join(canon) + f"\n\n{signed}\n{EMPTY_SHA256}"
-        scope = f"{day}/{self.region}/s3/aws4_request"
+            tok = f"x-amz-security-token:{token}\n"
+            signed += ";x-amz-security-token"
+        request = (f"GET\n{path}\n\nhost:{host}\n{rng}x-amz-content-sha256:{EMPTY_SHA256}\nx-amz-date:{amz}\n{tok}"
+                   f"\n{signed}\n{EMPTY_SHA256}")
         to_sign = f"AWS4-HMAC-SHA256\n{amz}\n{scope}\n{hashlib.sha256(request.encode()).hexdigest()}"
-        signature = hmac.new(self._signing_key(day), to_sign.encode(), hashlib.sha256).hexdigest()
+        signature = hmac.digest(self._key, to_sign.encode(), "sha256").hex()
         out = (f"x-amz-content-sha256: {EMPTY_SHA256}\r\nx-amz-date: {amz}\r\n"
                f"Authorization: AWS4-HMAC-SHA256 Credential={self.credentials.access_key_id}/{scope}, "
                f"SignedHeaders={signed}, Signature={signature}\r\n")
@@ -159,28 +161,22 @@ class _Connection(asyncio.Protocol):
             if len(buf) > MAX_HEAD_BYTES:
                 self._fail("response head too long")
             return False
-        lines = bytes(buf[:end]).decode("latin-1").split("\r\n")
-        parts = lines[0].split(" ", 2)
-        length = -1
-        close = parts[0] != "HTTP/1.1"
-        try:
-            self.status = int(parts[1])
-        except (IndexError, ValueError):
+        head = bytes(buf[:end]).lower()
+        if not head.startswith((b"http/1.1 ", b"http/1.0 ")) or not head[9:12].isdigit():
             self._fail("bad status line")
             return False
-        for line in lines[1:]:
-            name, _, value = line.partition(":")
-            name = name.strip().lower()
-            if name == "content-length":
-                try:
-                    length = int(value)
-                except ValueError:
-                    length = -1
-            elif name == "connection":
-                close = value.strip().lower() == "close"
-            elif name == "transfer-encoding":
+        self.status = int(head[9:12])
+        squeezed = head.replace(b": ", b":")
+        close = b"\r\nconnection:close" in squeezed or (
+            head.startswith(b"http/1.0") and b"\r\nconnection:keep-alive" not in squeezed)
+        length = -1
+        at = head.find(b"\r\ncontent-length:")
+        if at >= 0 and b"\r\ntransfer-encoding:" not in head:
+            stop = head.find(b"\r\n", at + 2)
+            try:
+                length = int(head[at + 17:stop if stop >= 0 else len(head)])
+            except ValueError:
                 length = -1
-                break
         if length < 0:
             self._fail("no content-length")
             return False
