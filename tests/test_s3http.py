@@ -7,10 +7,13 @@ from __future__ import annotations
 import asyncio
 import calendar
 import random
+import ssl
 import time
+from pathlib import Path
 from urllib.parse import quote
 
 import pytest
+from certs import make_certs, needs_openssl
 from s3_fixtures import CREDENTIALS, S3Backend, moto_backend, own_backend, s3  # noqa: F401
 
 from croupier.bench.s3server import running
@@ -118,11 +121,12 @@ def test_errors_come_from_obstore_unchanged(s3: S3Backend) -> None:
     assert isinstance(errors[0], BucketNotFoundError) and bucket in str(errors[0])
 
 
-async def _relay_dropping_first(target_port: int, dropped: list[int]) -> asyncio.AbstractServer:
-    """A TCP relay to the S3 server that closes its first connection once the request came."""
+async def _relay(target_port: int, dropped: list[int] | None = None, tls: ssl.SSLContext | None = None) -> asyncio.AbstractServer:
+    """A TCP relay to the S3 server (TLS-terminating with `tls`); with `dropped`, it closes
+    its first connection once the request came."""
 
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        if not dropped:
+        if dropped is not None and not dropped:
             dropped.append(1)
             await reader.read(1)
             writer.close()
@@ -139,7 +143,7 @@ async def _relay_dropping_first(target_port: int, dropped: list[int]) -> asyncio
 
         await asyncio.gather(pipe(reader, up_w), pipe(up_r, writer), return_exceptions=True)
 
-    return await asyncio.start_server(handle, "127.0.0.1", 0)
+    return await asyncio.start_server(handle, "127.0.0.1", 0, ssl=tls)
 
 
 def test_a_get_whose_connection_drops_is_done_by_obstore() -> None:
@@ -150,7 +154,7 @@ def test_a_get_whose_connection_drops_is_done_by_obstore() -> None:
         dropped: list[int] = []
 
         async def go() -> tuple[bytes, ObjectStore]:
-            relay = await _relay_dropping_first(port, dropped)
+            relay = await _relay(port, dropped)
             relay_port = relay.sockets[0].getsockname()[1]
             store = ObjectStore(bucket, options={**CREDENTIALS, "endpoint": f"http://127.0.0.1:{relay_port}"})
             try:
@@ -161,6 +165,31 @@ def test_a_get_whose_connection_drops_is_done_by_obstore() -> None:
         data, store = asyncio.run(go())
     assert data == DATA[500:1500] and dropped == [1]
     assert store.fast.handed_back == 1 and store.fast.done == 0
+
+
+@needs_openssl
+def test_https_endpoints_are_read_directly_and_their_certificates_checked(tmp_path: Path) -> None:
+    certs = make_certs(tmp_path / "certs")
+    tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    tls.load_cert_chain(certs.server_cert, certs.server_key)
+    with running(None) as srv:
+        bucket = S3Backend("s3server", srv.endpoint, srv).make_bucket({"d/blob.bin": DATA})
+        port = int(srv.endpoint.rsplit(":", 1)[1])
+
+        async def go(**extra):
+            relay = await _relay(port, tls=tls)
+            endpoint = f"https://127.0.0.1:{relay.sockets[0].getsockname()[1]}"
+            store = ObjectStore(bucket, options={**CREDENTIALS, "endpoint": endpoint, "max_retries": 0, **extra})
+            try:
+                return await store.read("d/blob.bin", 100, 50), store
+            finally:
+                relay.close()
+
+        # a certificate no system CA signed: neither way reads through it
+        with pytest.raises(OSError):
+            asyncio.run(go())
+        data, store = asyncio.run(go(allow_invalid_certificates=True))
+    assert data == DATA[100:150] and store.fast.done == 1 and store.fast.handed_back == 0
 
 
 def test_the_direct_path_is_used_only_where_it_signs_as_obstore_would(monkeypatch: pytest.MonkeyPatch) -> None:
