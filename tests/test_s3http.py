@@ -200,8 +200,9 @@ def test_the_direct_path_is_used_only_where_it_signs_as_obstore_would(monkeypatc
     assert ObjectStore("b1", options={"endpoint": endpoint, "skip_signature": True}).fast is not None
     off = ObjectStore("b1", options={"endpoint": endpoint})  # no keys: obstore's provider chain
     assert off.fast is None and "static keys" in off.fast_off_reason
-    off = ObjectStore("b1", options={**CREDENTIALS, "endpoint": endpoint, "fast_get": False})
-    assert off.fast is None and "turned off" in off.fast_off_reason
+    for value in (False, "false", "0"):  # --storage-option fast_get=false gives the string
+        off = ObjectStore("b1", options={**CREDENTIALS, "endpoint": endpoint, "fast_get": value})
+        assert off.fast is None and "turned off" in off.fast_off_reason
     off = ObjectStore("b1", options={**CREDENTIALS, "endpoint": endpoint, "proxy_url": "http://127.0.0.1:3128"})
     assert off.fast is None and "proxy" in off.fast_off_reason
     monkeypatch.setenv("CROUPIER_S3_FAST_GET", "0")
