@@ -160,10 +160,25 @@ def test_the_real_suites_smoke_run_reads_through_fuse_and_s3(tmp_path: Path) -> 
     md = (out / "real-quick.md").read_text()
     for text in ("## Storage", "## Targets", "## At a glance", "## text rows", "## CPU ceiling", "reads / sample",
                  "| latency FS 5 ms | croupier unordered |", "| S3 20 ms | DataLoader + DistributedSampler, 2 workers |",
-                 "Load average", "revision"):
+                 "Load average", "revision", "## Where the CPU goes, case by case"):
         assert text in md, text
     for name in ("throughput", "amplification"):
         assert (out / f"real-quick-{name}.png").stat().st_size > 1000
+
+
+def test_the_cpu_budget_splits_a_case_by_process_and_thread_and_prices_70_percent_of_its_ceiling() -> None:
+    from croupier.bench.realreport import cpu_budget_table
+
+    case = {"role": "measure", "label": "croupier unordered", "case": {"dataset": "text"},
+            "condition": {"name": "latency FS 5 ms"}, "samples": 2000, "samples_per_s": 10_000.0, "ceiling": 20_000.0,
+            "cpu_s_per_1k": 0.130, "server_cpu_s_per_1k": 0.100, "storage": {"cpu_s_per_1k": 0.050},
+            "extra": {"server_threads_cpu_s": {"main thread (event loop)": {"cpu": 0.12},
+                                               "native read threads (blocking preads)": {"cpu": 0.06},
+                                               "jemalloc_bg_thd": {"cpu": 0.0}}}}
+    other = dict(case, label="DataLoader + DistributedSampler, 8 workers")
+    rows = cpu_budget_table([case, other]).splitlines()[2:]
+    # loop 0.06, reads 0.03, other 0.01 per 1,000; 0.18 s per 1,000 in all: 1.80 cores at 10,000/s, 2.52 at 14,000/s
+    assert rows == ["| text | latency FS 5 ms | 10,000 | 0.060 | 0.030 | 0.010 | 0.030 | 0.050 | 1.80 | 14,000 | 2.52 |"]
 
 
 def test_the_real_suite_plans_every_system_on_both_slow_storages() -> None:

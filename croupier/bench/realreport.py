@@ -80,6 +80,32 @@ def ceilings_table(cases: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def cpu_budget_table(cases: list[dict[str, Any]]) -> str:
+    """Per croupier unordered case: CPU per 1,000 samples by process (the server's by
+    thread), the cores that makes at the measured rate, and at 70% of the ceiling."""
+    lines = ["| dataset | storage | samples/s | server: event loop | read threads | other threads | trainers | storage "
+             "| cores busy | 70% of ceiling | cores it would take |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in cases:
+        if r["role"] != "measure" or r["label"] != "croupier unordered" or not r.get("ceiling"):
+            continue
+        n = max(r.get("samples") or 0, 1)
+        groups = (r.get("extra") or {}).get("server_threads_cpu_s") or {}
+        per = lambda pred: sum(g.get("cpu", 0.0) for k, g in groups.items() if pred(k)) / n * 1000  # noqa: E731
+        loop = per(lambda k: k.startswith("main thread"))
+        reads = per(lambda k: k.startswith(("native read", "tokio")))
+        server = r.get("server_cpu_s_per_1k") or 0.0
+        other = max(server - loop - reads, 0.0)
+        trainers = r["cpu_s_per_1k"] - server
+        storage = (r.get("storage") or {}).get("cpu_s_per_1k") or 0.0
+        total = server + trainers + storage
+        target = 0.7 * r["ceiling"]
+        lines.append(f"| {r['case']['dataset']} | {r['condition']['name']} | {_f(r['samples_per_s'])} | {loop:.3f} | "
+                     f"{reads:.3f} | {other:.3f} | {trainers:.3f} | {storage:.3f} | "
+                     f"{r['samples_per_s'] * total / 1000:.2f} | {_f(target)} | {target * total / 1000:.2f} |")
+    return "\n".join(lines)
+
+
 def glance_table(cases: list[dict[str, Any]]) -> str:
     """croupier unordered against the best DataLoader (WebDataset for the tar shards), per dataset and slow
     storage; HF datasets beside."""
@@ -323,6 +349,14 @@ def markdown(rep: dict[str, Any], plots: list[str]) -> str:
             lines += [f"## {title}", "", results_table(rep["cases"], ds), ""]
     if any(r["role"] == "cpu ceiling" for r in rep["cases"]):
         lines += ["## CPU ceiling: croupier unordered on page-cache files", "", ceilings_table(rep["cases"]), ""]
+        cores = (rep.get("machine") or {}).get("cores") or os.cpu_count()
+        lines += ["## Where the CPU goes, case by case", "",
+                  "CPU seconds per 1,000 samples delivered, over the whole case: croupier's server by thread (read "
+                  "threads: the native pool's blocking preads, or obstore's Tokio threads), the trainers with their "
+                  "workers, and the storage's own process (the FUSE daemon, the S3 server), which runs on the same "
+                  f"{cores} cores. *Cores busy*: that CPU per sample at the steady rate (above the machine's cores "
+                  "where the case's start, whose CPU is counted, cost more per sample than its steady state). "
+                  "*Cores it would take*: the same CPU per sample at 70% of the case's ceiling.", "", cpu_budget_table(rep["cases"]), ""]
     if rep.get("profile"):
         measured = next((r for r in rep["cases"] if r["role"] == "measure" and r["case"]["dataset"] == "text"
                          and r["condition"]["key"] == "fuse" and not r["condition"].get("evict_every_s")
