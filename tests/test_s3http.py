@@ -270,3 +270,19 @@ def test_answers_are_parsed_whatever_their_pieces_and_anything_odd_is_handed_bac
         assert got[0][0] is None and state == "aborted" and not reused, bad
     got, state, reused = _answer([ok + b"HTTP/1.1 206"])  # more than was asked: not trusted
     assert got == [(b"hello", None)] and state == "closed" and not reused
+
+
+def test_gets_past_the_connection_cap_wait_for_a_free_connection_and_all_land(s3: S3Backend) -> None:
+    bucket = s3.make_bucket({"d/blob.bin": DATA})
+    store = ObjectStore(bucket, options=s3.options())
+    store.fast.max_connections = 3
+    offsets = [i * 997 for i in range(40)]
+
+    async def go() -> list[bytes]:
+        out = await asyncio.gather(*(store.read("d/blob.bin", o, 100) for o in offsets))
+        pool = store.fast._pool()
+        assert len(pool.idle) + len(pool.busy) <= 3 and not pool.waiting
+        return out
+
+    assert asyncio.run(go()) == [DATA[o:o + 100] for o in offsets]
+    assert store.fast.done == 40 and store.fast.handed_back == 0

@@ -278,6 +278,16 @@ class _Pool:
         self.idle.clear()
 
 
+def _open_files_limit() -> int:
+    try:
+        import resource
+
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        return soft if soft != resource.RLIM_INFINITY else 1 << 20
+    except (ImportError, ValueError, OSError):
+        return 1 << 20
+
+
 class RangeGetClient:
     """GETs of one bucket's objects, whole or by byte range, on the calling loop."""
 
@@ -296,7 +306,8 @@ class RangeGetClient:
         self.signer = SigV4(credentials, region) if credentials is not None else None
         self.timeout_s = timeout_s
         self.connect_timeout_s = connect_timeout_s
-        self.max_connections = max_connections
+        # GETs past this wait for a free connection instead of failing on "too many open files"
+        self.max_connections = max(1, min(max_connections, _open_files_limit() // 2))
         self.ssl: ssl.SSLContext | None = None
         if u.scheme == "https":
             self.ssl = ssl.create_default_context()
