@@ -315,6 +315,7 @@ class RangeGetClient:
                 self.ssl.check_hostname = False
                 self.ssl.verify_mode = ssl.CERT_NONE
         self._pools: dict[int, _Pool] = {}
+        self._paths: dict[str, str] = {}  # key -> URI-encoded request path (a dataset's few files, read often)
         #: GETs done here, and GETs handed back to the caller (to obstore)
         self.done = 0
         self.handed_back = 0
@@ -329,7 +330,11 @@ class RangeGetClient:
 
     def request(self, key: str, start: int, end: int, now: float | None = None) -> bytes:
         """The request bytes of a GET of `key`, bytes [start, end) (end -1: to its end)."""
-        path = self.prefix + quote(key, safe="/")
+        path = self._paths.get(key)
+        if path is None:
+            if len(self._paths) > 65536:
+                self._paths.clear()
+            path = self._paths[key] = self.prefix + quote(key, safe="/")
         rng = None if end < 0 and start == 0 else (f"bytes={start}-" if end < 0 else f"bytes={start}-{end - 1}")
         head = f"GET {path} HTTP/1.1\r\nHost: {self.host_header}\r\n"
         if rng is not None:
