@@ -82,7 +82,8 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--storage-option", action="append", dest="storage_options", metavar="KEY=VALUE",
                    help="object-store setting for s3:// (gs://, az://) datasets, over the AWS_* environment "
                    "variables the cloud SDKs read: endpoint, region, access_key_id, secret_access_key, "
-                   "session_token, skip_signature, ... (repeatable)")
+                   "session_token, skip_signature, fast_get=false (every S3 GET through obstore, not the event "
+                   "loop's own HTTP client), ... (repeatable)")
     g = p.add_argument_group("concurrency and memory")
     g.add_argument("--max-reads", type=int, help=f"sample reads in flight over all streams (default {d.max_reads})")
     g.add_argument("--max-reads-per-stream", type=int, help=f"sample reads in flight per stream (default: tuned per stream; "
