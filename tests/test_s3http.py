@@ -268,6 +268,19 @@ def test_answers_are_parsed_whatever_their_pieces_and_anything_odd_is_handed_bac
                 b"HTTP/1.1 206 OK\r\n\r\nhello", b"SPAM\r\n\r\n", b"HTTP/1.1 2x6 OK\r\nContent-Length: 1\r\n\r\nz"):
         got, state, reused = _answer([bad])
         assert got[0][0] is None and state == "aborted" and not reused, bad
+    # the connection, released, takes the next GET at once: this answer keeps its own range
+    from croupier.server.storage.s3http import _Connection
+
+    class Busy(_Pool):
+        def release(self, conn) -> None:
+            conn.send(b"GET next", lambda body, reason: None, (0, 1))
+
+    got: list = []
+    conn = _Connection(Busy())  # type: ignore[arg-type]
+    conn.connection_made(_Transport())  # type: ignore[arg-type]
+    conn.send(b"GET ...", lambda body, reason: got.append(body), (10, 15))
+    conn.data_received(b"HTTP/1.1 200 OK\r\nContent-Length: 20\r\n\r\n" + bytes(range(65, 85)))
+    assert got == [bytes(range(75, 80))]
     got, state, reused = _answer([ok + b"HTTP/1.1 206"])  # more than was asked: not trusted
     assert got == [(b"hello", None)] and state == "closed" and not reused
 

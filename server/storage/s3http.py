@@ -138,7 +138,7 @@ class _Connection(asyncio.Protocol):
         body = bytes(memoryview(buf)[self.head:self.want])
         extra = len(buf) > self.want
         done, self.done = self.done, None
-        status = self.status
+        status, ranged = self.status, self.ranged  # release() may start the next request here
         if self.close_after or extra:
             self.transport.close()  # type: ignore[union-attr]
             self.closed = True
@@ -147,7 +147,7 @@ class _Connection(asyncio.Protocol):
         if status == 206:
             done(body, None)
         elif status == 200:  # the Range was ignored: the whole object came
-            done(body if self.ranged is None else body[self.ranged[0]:self.ranged[1]], None)  # type: ignore[misc]
+            done(body if ranged is None else body[ranged[0]:ranged[1]], None)
         elif status == 416:  # the range starts at or past the end: nothing there, as a pread
             done(b"", None)
         else:
