@@ -299,3 +299,21 @@ def test_gets_past_the_connection_cap_wait_for_a_free_connection_and_all_land(s3
 
     assert asyncio.run(go()) == [DATA[o:o + 100] for o in offsets]
     assert store.fast.done == 40 and store.fast.handed_back == 0
+
+
+def test_an_endpoint_that_refuses_connections_is_handed_to_obstore_which_names_it() -> None:
+    import socket
+
+    from croupier.server.storage.objectstore import ObjectStoreConnectionError
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    store = ObjectStore("bench", options={**CREDENTIALS, "endpoint": f"http://127.0.0.1:{port}", "max_retries": 0})
+
+    async def go() -> bytes:
+        return await store.read("d/blob.bin", 0, 10)
+
+    with pytest.raises(ObjectStoreConnectionError, match=f"127.0.0.1:{port}"):
+        asyncio.run(go())
+    assert store.fast.handed_back == 1 and store.fast.done == 0

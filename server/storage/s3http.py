@@ -231,7 +231,7 @@ class _Pool:
                 self.loop.create_connection(lambda: _Connection(self), c.host, c.port, ssl=c.ssl,
                                             server_hostname=c.host if c.ssl else None),
                 c.connect_timeout_s)
-        except (OSError, asyncio.TimeoutError, ssl.SSLError) as exc:
+        except Exception as exc:  # whatever it is, the GET is handed back, never left waiting
             self.opening -= 1
             done(None, f"cannot connect: {exc}")
             self._next()
