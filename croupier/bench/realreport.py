@@ -227,10 +227,11 @@ def reading_notes(rep: dict[str, Any]) -> list[str]:
                      f"{s3dl['storage']['bytes_per_sample'] / 1024:,.0f} KB per sample at the storage); reading only "
                      "the row's bytes takes the offsets croupier's reader works out from the IPC metadata.")
     if any(r["condition"]["key"] == "s3" for r in cases):
-        tokio = any("tokio-rt-worker" in ((r.get("extra") or {}).get("server_threads_cpu_s") or {})
-                    for r in cases if r["condition"]["key"] == "s3")
-        client = ("obstore's client threads (`tokio-rt-worker` in the JSON's `server_threads_cpu_s`)" if tokio else
-                  "S3 GETs, signed, written and parsed on its event loop (server/storage/s3http.py)")
+        # obstore's runtime starts for the listing at open either way: GETs through it cost far more
+        tokio = any(((r.get("extra") or {}).get("server_threads_cpu_s") or {}).get("tokio-rt-worker", {}).get("cpu", 0.0)
+                    > 0.01 * max(r.get("samples") or 0, 1) / 1000 for r in cases if r["condition"]["key"] == "s3")
+        client = ("obstore client threads (`tokio-rt-worker` in the JSON's `server_threads_cpu_s`)" if tokio else
+                  "S3 GETs, signed, written and parsed on its event loop (server/storage/s3http.py),")
         notes.append("The S3 server runs on the same 2 cores as everything else: its CPU (the *storage CPU* column) "
                      "comes out of the trainers' and croupier's, which a remote store would not take; croupier's "
                      f"{client} are its own.")
