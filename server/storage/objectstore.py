@@ -493,6 +493,11 @@ class ObjectStore(Store):
 
     @staticmethod
     def _split(ranges: Sequence[Range], out: list[bytes], gs: int, idx: list[int], data: bytes | memoryview) -> None:
+        if len(idx) == 1 and type(data) is bytes:  # a GET of one range: its body is the range (no copy)
+            o, s = ranges[idx[0]]
+            if o == gs and (s < 0 or s >= len(data)):
+                out[idx[0]] = data
+                return
         view = memoryview(data)
         for i in idx:
             o, s = ranges[i]

@@ -28,6 +28,7 @@ import asyncio
 import collections
 import hashlib
 import hmac
+import re
 import ssl
 import time
 from collections.abc import Callable
@@ -40,6 +41,13 @@ EMPTY_SHA256 = hashlib.sha256(b"").hexdigest()
 DEFAULT_MAX_CONNECTIONS = 4096
 #: Largest response head accepted (S3's are well under 2 KB).
 MAX_HEAD_BYTES = 64 << 10
+
+# The response head, searched in place (a GET's answer is parsed on the loop, thousands a second).
+_STATUS = re.compile(rb"HTTP/1\.([01]) (\d{3})[ \r]")
+_LENGTH = re.compile(rb"\r\ncontent-length:[ \t]*(\d+)[ \t]*\r\n", re.IGNORECASE)
+_CLOSE = re.compile(rb"\r\nconnection:[ \t]*close", re.IGNORECASE)
+_KEEP_ALIVE = re.compile(rb"\r\nconnection:[ \t]*keep-alive", re.IGNORECASE)
+_CHUNKED = re.compile(rb"\r\ntransfer-encoding:", re.IGNORECASE)
 
 #: callback(body, None) when done; callback(None, reason) to hand the GET back.
 Done = Callable[[bytes | None, str | None], None]
@@ -161,22 +169,17 @@ class _Connection(asyncio.Protocol):
             if len(buf) > MAX_HEAD_BYTES:
                 self._fail("response head too long")
             return False
-        head = bytes(buf[:end]).lower()
-        if not head.startswith((b"http/1.1 ", b"http/1.0 ")) or not head[9:12].isdigit():
+        status = _STATUS.match(buf)
+        if status is None:
             self._fail("bad status line")
             return False
-        self.status = int(head[9:12])
-        squeezed = head.replace(b": ", b":")
-        close = b"\r\nconnection:close" in squeezed or (
-            head.startswith(b"http/1.0") and b"\r\nconnection:keep-alive" not in squeezed)
-        length = -1
-        at = head.find(b"\r\ncontent-length:")
-        if at >= 0 and b"\r\ntransfer-encoding:" not in head:
-            stop = head.find(b"\r\n", at + 2)
-            try:
-                length = int(head[at + 17:stop if stop >= 0 else len(head)])
-            except ValueError:
-                length = -1
+        self.status = int(status.group(2))
+        if _CLOSE.search(buf, 0, end) is not None:
+            close = True
+        else:
+            close = status.group(1) == b"0" and _KEEP_ALIVE.search(buf, 0, end) is None
+        m = _LENGTH.search(buf, 0, end + 2)
+        length = int(m.group(1)) if m is not None and _CHUNKED.search(buf, 0, end) is None else -1
         if length < 0:
             self._fail("no content-length")
             return False
