@@ -70,7 +70,7 @@ typedef struct {
     job *todo_head, *todo_tail; /* jobs no thread was free for */
     job *done_head, *done_tail;
     int efd;
-    int threads, max_threads, idle, closing;
+    int threads, max_threads, closing;
     long long pending; /* submitted and not drained (loop thread only) */
 } Pool;
 
@@ -149,7 +149,6 @@ static void *worker(void *arg) {
             me->next = NULL;
             me->next_idle = p->idle_head;
             p->idle_head = me;
-            p->idle++;
         }
         pthread_mutex_unlock(&p->mu);
         if (was_empty) { /* one wake-up of the loop per batch of completions */
@@ -177,7 +176,6 @@ static int enqueue(Pool *p, job *j) {
     reader *r = p->idle_head;
     if (r) { /* straight to an idle thread */
         p->idle_head = r->next_idle;
-        p->idle--;
         r->next = j;
         pthread_mutex_unlock(&p->mu);
         sem_post(&r->wake);
@@ -291,7 +289,6 @@ static PyObject *Pool_close(Pool *p, PyObject *unused) {
     p->closing = 1;
     reader *r = p->idle_head; /* wake the sleepers with no job: they exit */
     p->idle_head = NULL;
-    p->idle = 0;
     pthread_mutex_unlock(&p->mu);
     while (r) {
         reader *n = r->next_idle;
