@@ -129,15 +129,11 @@ def child(args: argparse.Namespace) -> int:
 
 
 # ---- the parent --------------------------------------------------------------------------
-def _daemon_cpu(pid: int) -> float:
-    return procstat.cpu_seconds(pid)
-
-
 def run_one(mode: str, binary: Path | None, pool_so: Path | None, fs, files: list[Path], a: argparse.Namespace,
             seed: int) -> dict:
     mounted = [str(fs.path / f.name) for f in files]
     fs.evict()
-    d0 = _daemon_cpu(fs.pid)
+    d0 = procstat.cpu_seconds(fs.pid)
     if binary is not None:
         cmd = [str(binary), mode, str(a.reads), str(a.in_flight), str(a.size), str(seed), *mounted]
     else:
@@ -149,7 +145,7 @@ def run_one(mode: str, binary: Path | None, pool_so: Path | None, fs, files: lis
     if r.returncode != 0:
         raise RuntimeError(f"{mode}: {' '.join(cmd[:6])} ... failed: {r.stderr.strip()[-400:]}")
     out = json.loads(r.stdout.strip().splitlines()[-1])
-    out["daemon_s"] = _daemon_cpu(fs.pid) - d0
+    out["daemon_s"] = procstat.cpu_seconds(fs.pid) - d0
     if "cpu_s" not in out:
         out["cpu_s"] = out["user_s"] + out["system_s"]
     return out
@@ -225,11 +221,9 @@ def summarize(results: dict[str, list[dict]], skipped: dict[str, str], a: argpar
         rows[mode] = {"reads_per_s": statistics.median(r["reads"] / r["seconds"] for r in rs),
                       "cpu_us": med(rs, "cpu_s"), "loop_us": med(rs, "loop_s"),
                       "read_threads_us": med(rs, "read_threads_s"), "daemon_us": med(rs, "daemon_s"), "runs": rs}
-    rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                         cwd=SOURCE.parents[2]).stdout.strip()
-    if subprocess.run(["git", "status", "--porcelain", "-uno"], capture_output=True, text=True,
-                      cwd=SOURCE.parents[2]).stdout.strip():
-        rev += " with uncommitted changes"
+    from .run import code_state
+
+    rev = code_state()
     cmd = "python -m croupier.bench.readpool" + "".join(f" --against {r}" for r in a.against) + (f" --out {a.out}" if a.out else "")
     fmt = lambda v: "-" if v is None else f"{v:.1f}"  # noqa: E731
     lines = [

@@ -129,10 +129,9 @@ def main(argv: list[str] | None = None) -> int:
 
 def report(results: dict[str, list[dict]], a: argparse.Namespace, levels: list[int], started: float, load0: tuple,
            load1: tuple) -> str:
-    root = Path(__file__).resolve().parents[2]
-    rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=root).stdout.strip()
-    if subprocess.run(["git", "status", "--porcelain", "-uno"], capture_output=True, text=True, cwd=root).stdout.strip():
-        rev += " with uncommitted changes"
+    from .run import code_state
+
+    rev = code_state()
     flags = "".join(f" --in-flight {q}" for q in (a.in_flight or [])) if isinstance(a.in_flight, list) else ""
     lines = [
         "# S3 GETs: CPU per GET through obstore and on the loop (s3http)", "",
