@@ -523,18 +523,6 @@ class ObjectStore(Store):
         n = len(ranges)
         stats = self.stats
         stats.started(n)
-        if n == 1 and ranges[0][1] > 0:  # one row's one range: the common case, no grouping
-            offset, size = ranges[0]
-
-            def one(body: bytes | None, _reason: str | None) -> None:
-                if body is None:  # handed back: obstore does it, through the general path
-                    self._submit_by_obstore(path, ranges, callback)
-                    return
-                stats.finished(len(body), 1)
-                callback([body], None)
-
-            fast.get(self._key(path), offset, offset + size, one)
-            return True
         out: list[bytes] = [b""] * n
         groups = self._groups(ranges)
         left = [len(groups)]
@@ -580,21 +568,6 @@ class ObjectStore(Store):
 
             fast.get(key, gs, ge, done)
         return True
-
-    def _submit_by_obstore(self, path: str, ranges: Sequence[Range], callback) -> None:
-        """`ranges` read through obstore, already counted as started: finish the count, call back."""
-        task = asyncio.get_running_loop().create_task(self._obstore_ranges(path, ranges))
-
-        def settled(t: asyncio.Task) -> None:
-            exc = t.exception() if not t.cancelled() else asyncio.CancelledError()
-            parts = None if exc is not None else t.result()
-            self.stats.finished(sum(map(len, parts)) if parts is not None else 0, len(ranges), ok=exc is None)
-            callback(parts, exc)
-
-        task.add_done_callback(settled)
-
-    async def _obstore_ranges(self, path: str, ranges: Sequence[Range]) -> list[bytes]:
-        return [bytes(await self._obstore_get(path, o, -1 if s < 0 else o + s)) if s else b"" for o, s in ranges]
 
     def close(self) -> None:
         """Nothing to release: connections close when idle. (Stores are shared between
