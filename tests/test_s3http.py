@@ -16,7 +16,8 @@ import pytest
 from certs import make_certs, needs_openssl
 from s3_fixtures import CREDENTIALS, S3Backend, moto_backend, own_backend, s3  # noqa: F401
 
-from croupier.bench.s3server import running
+from croupier.bench.faults import CuttableProxy
+from croupier.bench.s3server import Latency, running
 from croupier.server.storage.objectstore import BucketNotFoundError, ObjectStore
 from croupier.server.storage.s3http import RangeGetClient, SigV4, StaticCredentials
 
@@ -121,49 +122,27 @@ def test_errors_come_from_obstore_unchanged(s3: S3Backend) -> None:
     assert isinstance(errors[0], BucketNotFoundError) and bucket in str(errors[0])
 
 
-async def _relay(target_port: int, dropped: list[int] | None = None, tls: ssl.SSLContext | None = None) -> asyncio.AbstractServer:
-    """A TCP relay to the S3 server (TLS-terminating with `tls`); with `dropped`, it closes
-    its first connection once the request came."""
-
-    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        if dropped is not None and not dropped:
-            dropped.append(1)
-            await reader.read(1)
-            writer.close()
-            return
-        up_r, up_w = await asyncio.open_connection("127.0.0.1", target_port)
-
-        async def pipe(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
-            try:
-                while data := await r.read(65536):
-                    w.write(data)
-                    await w.drain()
-            finally:
-                w.close()
-
-        await asyncio.gather(pipe(reader, up_w), pipe(up_r, writer), return_exceptions=True)
-
-    return await asyncio.start_server(handle, "127.0.0.1", 0, ssl=tls)
-
-
 def test_a_get_whose_connection_drops_is_done_by_obstore() -> None:
-    with running(None) as srv:
-        backend = S3Backend("s3server", srv.endpoint, srv)
-        bucket = backend.make_bucket({"d/blob.bin": DATA})
-        port = int(srv.endpoint.rsplit(":", 1)[1])
-        dropped: list[int] = []
+    # 300 ms in the server: the GET is cut while it waits there, counted in flight
+    with running(None, latency=Latency.fixed(300)) as srv:
+        bucket = S3Backend("s3server", srv.endpoint, srv).make_bucket({"d/blob.bin": DATA})
+        proxy = CuttableProxy(int(srv.endpoint.rsplit(":", 1)[1]))
+        store = ObjectStore(bucket, options={**CREDENTIALS, "endpoint": f"http://{proxy.address}"})
 
-        async def go() -> tuple[bytes, ObjectStore]:
-            relay = await _relay(port, dropped)
-            relay_port = relay.sockets[0].getsockname()[1]
-            store = ObjectStore(bucket, options={**CREDENTIALS, "endpoint": f"http://127.0.0.1:{relay_port}"})
-            try:
-                return await store.read("d/blob.bin", 500, 1000), store
-            finally:
-                relay.close()
+        async def go() -> tuple[bytes, int]:
+            read = asyncio.ensure_future(store.read("d/blob.bin", 500, 1000))
+            for _ in range(500):  # bounded: 5 s
+                if (await asyncio.to_thread(srv.stats))["in_flight"] >= 1:
+                    break
+                await asyncio.sleep(0.01)
+            cut = await asyncio.to_thread(proxy.cut)
+            return await read, cut
 
-        data, store = asyncio.run(go())
-    assert data == DATA[500:1500] and dropped == [1]
+        try:
+            data, cut = asyncio.run(go())
+        finally:
+            proxy.close()
+    assert data == DATA[500:1500] and cut == 2  # the client's side and the server's
     assert store.fast.handed_back == 1 and store.fast.done == 0
 
 
@@ -174,21 +153,20 @@ def test_https_endpoints_are_read_directly_and_their_certificates_checked(tmp_pa
     tls.load_cert_chain(certs.server_cert, certs.server_key)
     with running(None) as srv:
         bucket = S3Backend("s3server", srv.endpoint, srv).make_bucket({"d/blob.bin": DATA})
-        port = int(srv.endpoint.rsplit(":", 1)[1])
+        proxy = CuttableProxy(int(srv.endpoint.rsplit(":", 1)[1]), tls=tls)
 
         async def go(**extra):
-            relay = await _relay(port, tls=tls)
-            endpoint = f"https://127.0.0.1:{relay.sockets[0].getsockname()[1]}"
-            store = ObjectStore(bucket, options={**CREDENTIALS, "endpoint": endpoint, "max_retries": 0, **extra})
-            try:
-                return await store.read("d/blob.bin", 100, 50), store
-            finally:
-                relay.close()
+            store = ObjectStore(bucket, options={**CREDENTIALS, "endpoint": f"https://{proxy.address}",
+                                                 "max_retries": 0, **extra})
+            return await store.read("d/blob.bin", 100, 50), store
 
-        # a certificate no system CA signed: neither way reads through it
-        with pytest.raises(OSError):
-            asyncio.run(go())
-        data, store = asyncio.run(go(allow_invalid_certificates=True))
+        try:
+            # a certificate no system CA signed: neither way reads through it
+            with pytest.raises(OSError):
+                asyncio.run(go())
+            data, store = asyncio.run(go(allow_invalid_certificates=True))
+        finally:
+            proxy.close()
     assert data == DATA[100:150] and store.fast.done == 1 and store.fast.handed_back == 0
 
 

@@ -16,6 +16,7 @@ import os
 import random
 import signal
 import socket
+import ssl
 import struct
 import subprocess
 import sys
@@ -183,10 +184,12 @@ def replica_churn(workdir: Path, *, kills: int = 20, seed: int = 0, rows: int = 
 
 class CuttableProxy:
     """A TCP proxy on 127.0.0.1 whose connections can all be cut at once (reset, as a
-    network failure does), in its own thread and event loop."""
+    network failure does), in its own thread and event loop; with `tls`, it terminates TLS
+    (an https endpoint in front of a plain one)."""
 
-    def __init__(self, target_port: int):
+    def __init__(self, target_port: int, tls: ssl.SSLContext | None = None):
         self.target_port = target_port
+        self.tls = tls
         self.port = free_port()
         self.cuts = 0
         self._writers: set[asyncio.StreamWriter] = set()
@@ -203,7 +206,8 @@ class CuttableProxy:
 
     def _run(self, ready: threading.Event) -> None:
         asyncio.set_event_loop(self._loop)
-        self._server = self._loop.run_until_complete(asyncio.start_server(self._pipe, "127.0.0.1", self.port))
+        self._server = self._loop.run_until_complete(asyncio.start_server(self._pipe, "127.0.0.1", self.port,
+                                                                               ssl=self.tls))
         ready.set()
         self._loop.run_forever()
 
