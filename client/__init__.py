@@ -1,8 +1,8 @@
 """Trainer-side library: the streaming `Loader` and the RTP engine (`croupier.client.rtp`)."""
 
-from .assemble import BatchAssembler, ProtocolError, RawBatch
-from .loader import Batch, Loader, LoaderError, LoaderStats
-from .samples import SampleDecodeError
+from croupier.client.assemble import BatchAssembler, ProtocolError, RawBatch
+from croupier.client.loader import Batch, Loader, LoaderError, LoaderStats
+from croupier.client.samples import SampleDecodeError
 
 __all__ = [
     "Batch",

@@ -28,13 +28,13 @@ import numpy as np
 import torch
 from torch.utils.data import default_collate
 
-from croupier.options import StreamOptions
-from croupier.security import ClientSecurity, check_address
+from croupier.protocol.options import StreamOptions
+from croupier.protocol.security import ClientSecurity, check_address
 
-from .autotune import DecodeTuner
-from .assemble import BatchAssembler, ProtocolError, RawBatch
-from .samples import ImageDecode, collate_table, raw_batch_samples
-from .wire import FINAL_LIMITS, LIMIT_BACKOFF_S, RETRYABLE, Connection, limit_of, size_limit_advice, transport_hint
+from croupier.client.decode_tuner import DecodeTuner
+from croupier.client.assemble import BatchAssembler, ProtocolError, RawBatch
+from croupier.client.samples import ImageDecode, collate_table, raw_batch_samples
+from croupier.client.connection import FINAL_LIMITS, LIMIT_BACKOFF_S, RETRYABLE, Connection, limit_of, size_limit_advice, transport_hint
 
 log = logging.getLogger("croupier.client")
 
@@ -121,7 +121,7 @@ class Loader:
         batch_size: samples per rank per batch.
         rank, world_size: default to torch.distributed's when initialised, else 0 and 1.
         seed, epoch: the plan is a pure function of (seed, epoch, dataset size).
-        drop_last: as DistributedSampler + DataLoader (see croupier.server.planner).
+        drop_last: as DistributedSampler + DataLoader (see croupier.protocol.epoch_plan).
         ordered: ask for the ordered ablation (one read at a time, in plan order).
         prefetch: batches the server reads ahead (0: the server's default; the server
             clamps it to its `--max-prefetch`).
@@ -137,7 +137,7 @@ class Loader:
             A message over a size limit is not retried (the LoaderError names the limit).
         buffer_batches: collated batches the sync iterator keeps ready ahead of the user.
         decode_workers: threads decoding images (0 or 1: inline). Default: tuned while
-            running (client/autotune.py), from 2, up to the CPU count: more while the
+            running (client/decode_tuner.py), from 2, up to the CPU count: more while the
             trainer waits on decoding, fewer while decoding idles; a value given is kept.
         tls_ca: CA file (PEM) that signed the servers' certificates; turns TLS on
             (default: the CROUPIER_TLS_CA environment variable).
@@ -149,7 +149,7 @@ class Loader:
             certificate is given.
         channel_options: extra gRPC channel arguments, e.g. `[("grpc.http2.bdp_probe", 0)]`
             to keep each stream's flow-control window at 64 KiB; they replace croupier's
-            own of the same name (client/wire.py CHANNEL_OPTIONS).
+            own of the same name (client/connection.py CHANNEL_OPTIONS).
     """
 
     def __init__(
@@ -288,7 +288,7 @@ class Loader:
     def __len__(self) -> int:
         """Batches per epoch for this rank (asks the server for the dataset size once)."""
         if self._num_batches is None:
-            from croupier.server.planner import EpochPlan, PlanError
+            from croupier.protocol.epoch_plan import EpochPlan, PlanError
 
             async def rows() -> int:
                 # The first replica that answers, starting with this rank's own.

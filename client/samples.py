@@ -23,7 +23,7 @@ import torch
 
 from croupier.v1 import croupier_pb2 as pb
 
-from .assemble import RawBatch
+from croupier.client.assemble import RawBatch
 
 try:  # optional: without it every image goes through Pillow
     import simplejpeg as _simplejpeg

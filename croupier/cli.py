@@ -260,9 +260,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         print("croupier serve: name at least one DATASET or a --data-root (see --help)", file=sys.stderr)
         return 2
     from croupier.server.app import run
-    from croupier.server.auth import TokenFileError
+    from croupier.server.access.auth import TokenFileError
     from croupier.server.readers.base import DatasetError
-    from croupier.server.tls import SecurityConfigError
+    from croupier.server.access.tls import SecurityConfigError
 
     try:
         run(config, args.ready_file)
@@ -328,6 +328,27 @@ _EXTRA_COMMANDS: list[tuple[str, str]] = [
 ]
 
 
+BENCH_INSTALL_HINT = (
+    "croupier bench: the benchmark harness is not installed. It is the croupier-bench "
+    "distribution in the bench/ folder of a croupier checkout, kept out of the product's "
+    "wheel: from the checkout, run  pip install -e ./bench  (the dev setup in README.md "
+    "installs it)."
+)
+
+
+def _bench_not_installed_parser(sub: argparse._SubParsersAction) -> None:
+    """`croupier bench` without the harness: say how to install it instead of 'invalid choice'."""
+    p = sub.add_parser("bench", help="benchmarks (needs the croupier-bench harness: pip install -e ./bench)",
+                       add_help=False)
+    p.add_argument("rest", nargs=argparse.REMAINDER)
+
+    def explain(_args: argparse.Namespace) -> int:
+        print(BENCH_INSTALL_HINT, file=sys.stderr)
+        return 2
+
+    p.set_defaults(func=explain)
+
+
 def make_parser() -> argparse.ArgumentParser:
     import importlib
 
@@ -345,6 +366,8 @@ def make_parser() -> argparse.ArgumentParser:
                 raise
             if not (isinstance(exc, ModuleNotFoundError) and exc.name == module):
                 print(f"croupier: command module {module} unavailable: {exc}", file=sys.stderr)
+            elif module == "croupier.bench":
+                _bench_not_installed_parser(sub)
             continue
         add(sub)
     return parser

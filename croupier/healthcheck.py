@@ -1,6 +1,6 @@
 """`python -m croupier.healthcheck [ADDRESS] [SERVICE]`: exit 0 when the server says SERVING.
 
-The container HEALTHCHECK. It connects as any client would (croupier/security.py), so a
+The container HEALTHCHECK. It connects as any client would (croupier/protocol/security.py), so a
 server with TLS is probed over TLS: CROUPIER_TLS_CA (the CA of the server's certificate),
 CROUPIER_TLS_SERVER_NAME (the name in that certificate, since the probe dials 127.0.0.1),
 CROUPIER_CLIENT_CERT/KEY under mutual TLS, CROUPIER_TOKEN if health needs a token. Needs
@@ -17,7 +17,7 @@ def main(argv: list[str] | None = None) -> int:
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    from croupier.security import ClientSecurity, check_address
+    from croupier.protocol.security import ClientSecurity, check_address
 
     args = sys.argv[1:] if argv is None else argv
     address = check_address(args[0] if args else f"127.0.0.1:{os.environ.get('CROUPIER_PORT', '50051')}")

@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from croupier.security import ClientSecurity, add_client_arguments, check_address, security_from_args
+from croupier.protocol.security import ClientSecurity, add_client_arguments, check_address, security_from_args
 
 CALL = "croupier.v1.Croupier.StreamEpoch"
 PERCENTILES = (50, 90, 99, 99.9)

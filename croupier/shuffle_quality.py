@@ -31,7 +31,7 @@ GAP_BINS = 64
 # ---- orders -----------------------------------------------------------------------
 def plan_order(n: int, seed: int = 0, epoch: int = 0) -> np.ndarray:
     """croupier's epoch order: the permutation P that global batches are cut from."""
-    from croupier.server.planner import Permutation
+    from croupier.protocol.epoch_plan import Permutation
 
     return Permutation(n, seed, epoch)(np.arange(n, dtype=np.uint64)).astype(np.int64)
 

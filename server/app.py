@@ -21,19 +21,19 @@ from grpc_reflection.v1alpha import reflection
 
 from croupier.v1 import croupier_pb2, croupier_pb2_grpc
 
-from .auth import AuthInterceptor, TokenStore
-from .catalog import Catalog, one_line
-from .config import ServerConfig
-from .decode_guard import DecodeGuard
-from .autotune import Autotuner
-from .limits import StreamAdmission
-from .metrics import ServerMetrics
-from .metrics_http import basic_auth_credentials, serve_metrics
-from .readers.base import DatasetError
-from .redact import PathRedactor
-from .service import CroupierService
-from .storage import LocalStore
-from .tls import check_plaintext_bind, metrics_ssl_context, server_credentials
+from croupier.server.access.auth import AuthInterceptor, TokenStore
+from croupier.server.catalog import Catalog, one_line
+from croupier.server.config import ServerConfig
+from croupier.server.service.decode_guard import DecodeGuard
+from croupier.server.stream.tuner import Autotuner
+from croupier.server.access.limits import StreamAdmission
+from croupier.server.metrics import ServerMetrics
+from croupier.server.metrics_http import basic_auth_credentials, serve_metrics
+from croupier.server.readers.base import DatasetError
+from croupier.server.access.redact import PathRedactor
+from croupier.server.service.servicer import CroupierService
+from croupier.server.storage import LocalStore
+from croupier.server.access.tls import check_plaintext_bind, metrics_ssl_context, server_credentials
 
 log = logging.getLogger("croupier.server")
 
@@ -117,7 +117,7 @@ def grpc_options(config: ServerConfig) -> list[tuple[str, int]]:
 
     Keepalive pings find dead peers (a stalled stream sends no data, so nothing else
     would); the ping policy must stay looser than the client's own keepalive
-    (client/wire.py CHANNEL_OPTIONS) or the client gets GOAWAY too_many_pings.
+    (client/connection.py CHANNEL_OPTIONS) or the client gets GOAWAY too_many_pings.
     """
     ms = lambda seconds: int(seconds * 1000)  # noqa: E731
     options = [

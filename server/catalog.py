@@ -9,11 +9,11 @@ import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from .config import LatencySpec
-from .limits import LimitExceeded
-from .readers.base import DatasetError, DatasetInfo, OutsideRootsError, Reader
-from .readers.synthetic import SyntheticReader
-from .storage import Store
+from croupier.server.config import LatencySpec
+from croupier.server.access.limits import LimitExceeded
+from croupier.server.readers.base import DatasetError, DatasetInfo, OutsideRootsError, Reader
+from croupier.server.readers.synthetic import SyntheticReader
+from croupier.server.storage import Store
 
 
 def is_url(path: str) -> bool:
@@ -108,7 +108,7 @@ class Catalog:
             reader.bind_executor(self.executor)
         if self.latency is None:
             return reader
-        from .readers.latency import LatencyInjected
+        from croupier.server.readers.latency import LatencyInjected
 
         lat = self.latency
         return LatencyInjected(
@@ -126,15 +126,15 @@ class Catalog:
         folder). None (the server's store as it is) when links may point anywhere."""
         if self.follow_symlinks_outside_roots:
             return self.store
-        from .readers.base import MemberOutsideRootsError
-        from .storage import default_local_store
-        from .storage.confined import ConfinedStore, dataset_roots
+        from croupier.server.readers.base import MemberOutsideRootsError
+        from croupier.server.storage import default_local_store
+        from croupier.server.storage.confined import ConfinedStore, dataset_roots
 
         inner = self.store if self.store is not None else default_local_store()
         return ConfinedStore(inner, dataset_roots(path, self.data_roots), MemberOutsideRootsError)  # type: ignore[arg-type]
 
     def _open_path(self, path: str, name: str | None) -> Reader:
-        from .readers import open_dataset, resolve_under_roots
+        from croupier.server.readers import open_dataset, resolve_under_roots
 
         store = self.store
         if not is_url(path):
@@ -165,7 +165,7 @@ class Catalog:
 
     def add_failed(self, spec: str, exc: BaseException) -> str:
         """Record that dataset `spec` failed to open (it stays unserved); returns its name."""
-        from .readers import default_name
+        from croupier.server.readers import default_name
 
         name, path = parse_dataset_spec(spec)
         name = name or default_name(path)
@@ -297,7 +297,7 @@ class Catalog:
         """The path a client named, if it exists and resolves under a data root. A
         relative path is looked up under each root in turn (the first that has it wins);
         os.path.join keeps an absolute one as it is."""
-        from .storage.confined import under
+        from croupier.server.storage.confined import under
 
         for root in self.data_roots:
             candidate = os.path.join(root, name_or_path)

@@ -10,8 +10,8 @@ from typing import Any
 
 import yaml
 
-from .autotune import TUNED as TUNED_LIMITS  # one given in a config file or flag is pinned
-from .scheduler import FetchLimits
+from croupier.server.stream.tuner import TUNED as TUNED_LIMITS  # one given in a config file or flag is pinned
+from croupier.server.stream.dealer import FetchLimits
 
 
 @dataclass(frozen=True)
@@ -61,7 +61,7 @@ class ServerConfig:
     storage_options: dict[str, str] = field(default_factory=dict)
     limits: FetchLimits = field(default_factory=FetchLimits)
     #: Tune each stream's reads in flight, prefetch, chunk size and flush delay online
-    #: (server/autotune.py); off, every stream uses `limits` as given.
+    #: (server/stream/tuner.py); off, every stream uses `limits` as given.
     autotune: bool = True
     #: Tuned settings the operator set (flags or config keys), which the tuner leaves alone:
     #: any of max_reads_per_stream, default_prefetch, chunk_samples, flush_delay_s.
@@ -118,7 +118,7 @@ class ServerConfig:
     #: Serve plaintext on a non-loopback host anyway (behind a TLS-terminating proxy, or a
     #: private network); without it such a bind is refused.
     insecure: bool = False
-    #: Bearer tokens (YAML, see server/auth.py); None: calls need no token.
+    #: Bearer tokens (YAML, see server/access/auth.py); None: calls need no token.
     tokens_file: str | None = None
     #: Services a caller reaches without a token: any of "health", "reflection".
     open_services: tuple[str, ...] = ("health", "reflection")

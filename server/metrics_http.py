@@ -20,7 +20,7 @@ from wsgiref.simple_server import WSGIRequestHandler, make_server
 from prometheus_client import CollectorRegistry, make_wsgi_app
 from prometheus_client.exposition import ThreadingWSGIServer, _get_best_family
 
-from .tls import SecurityConfigError
+from croupier.server.access.tls import SecurityConfigError
 
 log = logging.getLogger("croupier.server")
 

@@ -1,5 +1,5 @@
 """S3 servers on loopback for the object-store tests: moto's server mode (an independent S3
-implementation) and croupier's own latency server (croupier/bench/s3server.py).
+implementation) and croupier's own latency server (bench/s3server.py).
 
 Both are set up through boto3, so the own server's write path is exercised by a client that
 is not obstore. Each test makes its own bucket; nothing reads the machine's AWS settings.

@@ -19,9 +19,9 @@ import urllib.request
 import pyarrow as pa
 import pytest
 
-from croupier.server.autotune import MIN_READS, PROBE_EVERY_S, START_READS, Autotuner, StreamTuner
-from croupier.server.planner import EpochPlan
-from croupier.server.scheduler import Dealer, FetchLimits, StreamRange
+from croupier.server.stream.tuner import MIN_READS, PROBE_EVERY_S, START_READS, Autotuner, StreamTuner
+from croupier.protocol.epoch_plan import EpochPlan
+from croupier.server.stream.dealer import Dealer, FetchLimits, StreamRange
 
 from test_scheduler import GatedReader
 
@@ -392,7 +392,7 @@ class _closing:
 # ---- the client's decode workers ---------------------------------------------------------
 
 def test_decode_workers_grow_while_the_trainer_waits_on_decode_and_shrink_when_idle() -> None:
-    from croupier.client.autotune import DecodeTuner
+    from croupier.client.decode_tuner import DecodeTuner
 
     clock = FakeClock()
     tuner = DecodeTuner(ceiling=8, clock=clock)

@@ -15,7 +15,7 @@ import pytest
 from PIL import Image
 
 from croupier.client import Loader, LoaderError
-from croupier.options import StreamOptions
+from croupier.protocol.options import StreamOptions
 from croupier.v1 import croupier_pb2_grpc
 
 

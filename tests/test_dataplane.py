@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from croupier.client import Loader
-from croupier.server.planner import EpochPlan
+from croupier.protocol.epoch_plan import EpochPlan
 
 
 def _epoch_indices(address: str, dataset: str, **kw) -> list[list[int]]:
@@ -97,7 +97,7 @@ def test_slow_sample_arrives_after_the_rest_of_its_batch_on_the_wire(serve_inpro
     """Read the raw stream with the generated stubs: arrival order is completion order."""
     import grpc
 
-    from croupier.options import StreamOptions
+    from croupier.protocol.options import StreamOptions
     from croupier.v1 import croupier_pb2_grpc
 
     from croupier.server.config import LatencySpec
@@ -125,7 +125,7 @@ def _stub_chunks(address: str, **opts) -> list:
     """The chunks of one stream, read with the generated stubs and grpc's default limits."""
     import grpc
 
-    from croupier.options import StreamOptions
+    from croupier.protocol.options import StreamOptions
     from croupier.v1 import croupier_pb2_grpc
 
     with grpc.insecure_channel(address) as ch:

@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from croupier.demo_data import FORMATS, NUM_CLASSES, SPLITS, load_digits_uint8, prepare, split_indices
+from croupier.demo.data import FORMATS, NUM_CLASSES, SPLITS, load_digits_uint8, prepare, split_indices
 
 
 def _demo(args: list[str], cache: Path, timeout: float = 240) -> subprocess.CompletedProcess:
@@ -71,9 +71,9 @@ def test_demo_announces_the_backend_its_ranks_pick(monkeypatch, capsys, gpus: in
     import torch
 
     import croupier.demo
-    import croupier.demo_procs
+    import croupier.demo.procs
     from croupier.cli import main
-    from croupier.demo_train import pick_backend
+    from croupier.demo.train import pick_backend
 
     launched = []
 
@@ -89,7 +89,7 @@ def test_demo_announces_the_backend_its_ranks_pick(monkeypatch, capsys, gpus: in
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
-    monkeypatch.setattr(croupier.demo_procs, "RankGroup", Ranks)
+    monkeypatch.setattr(croupier.demo.procs, "RankGroup", Ranks)
     monkeypatch.setattr(signal, "signal", lambda *a: None)
     monkeypatch.setattr(croupier.demo, "_check_reachable", lambda addresses, **kw: None)  # no server either
     assert pick_backend(2) == backend

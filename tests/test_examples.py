@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from croupier.server.planner import EpochPlan
+from croupier.protocol.epoch_plan import EpochPlan
 
 REPO = Path(__file__).resolve().parent.parent
 EXAMPLES = REPO / "examples"

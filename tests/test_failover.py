@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from croupier.client import Loader
-from croupier.server.planner import EpochPlan
+from croupier.protocol.epoch_plan import EpochPlan
 
 ROWS, ROW_BYTES = 1200, 4096
 BATCH, WORLD = 8, 4

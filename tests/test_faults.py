@@ -1,7 +1,7 @@
 """Faults on purpose, samples counted (issue 13, item 4): the goal is 0 lost, 0 duplicated.
 
 Real `croupier serve` subprocesses on loopback, real Loaders; the fault points are drawn
-from a seeded generator, so a failure replays. See croupier/bench/faults.py.
+from a seeded generator, so a failure replays. See bench/faults.py.
 """
 
 from __future__ import annotations

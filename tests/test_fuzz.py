@@ -15,7 +15,7 @@ import pytest
 
 from croupier.bench.fuzz import SERVICE, fuzz
 from croupier.client import Loader
-from croupier.demo_data import prepare
+from croupier.demo.data import prepare
 
 ROWS = 1000
 

@@ -1,7 +1,7 @@
 """latencyfs: the FUSE file system that makes storage really slow for the benchmarks.
 
 Skipped, with the reason, where it cannot be built or mounted (no /dev/fuse, no
-libfuse3-dev: see benchmarks/latencyfs/install-deps.sh). Concurrency is proven by the
+libfuse3-dev: see bench/native/install-deps.sh). Concurrency is proven by the
 daemon's own counters, not by wall-clock seconds.
 """
 

@@ -21,13 +21,13 @@ import pyarrow as pa
 import pytest
 
 from croupier.client import Loader, LoaderError
-from croupier.client.wire import CHANNEL_OPTIONS, LIMIT_METADATA_KEY
+from croupier.client.connection import CHANNEL_OPTIONS, LIMIT_METADATA_KEY
 from croupier.server.config import ServerConfig
-from croupier.server.fairshare import FairShare
-from croupier.server.identity import peer_host
-from croupier.server.limits import StreamAdmission
-from croupier.server.planner import EpochPlan, Permutation
-from croupier.server.scheduler import FetchLimits
+from croupier.server.stream.fairshare import FairShare
+from croupier.server.access.identity import peer_host
+from croupier.server.access.limits import StreamAdmission
+from croupier.protocol.epoch_plan import EpochPlan, Permutation
+from croupier.server.stream.dealer import FetchLimits
 from croupier.v1 import croupier_pb2 as pb
 from croupier.v1 import croupier_pb2_grpc as pb_grpc
 
@@ -508,8 +508,8 @@ def test_path_datasets_in_use_are_kept_and_idle_ones_close(serve_inprocess, tmp_
 
 
 def test_a_loaders_channel_options_replace_croupiers_own() -> None:
-    from croupier.client.wire import channel_arguments
-    from croupier.security import ClientSecurity
+    from croupier.client.connection import channel_arguments
+    from croupier.protocol.security import ClientSecurity
 
     args = channel_arguments(ClientSecurity(), [("grpc.keepalive_time_ms", 1000), ("grpc.http2.bdp_probe", 0)])
     assert [v for k, v in args if k == "grpc.keepalive_time_ms"] == [1000]

@@ -15,7 +15,7 @@ import pyarrow as pa
 import pytest
 
 from croupier.client import Loader, LoaderError
-from croupier.security import AddressError, check_address
+from croupier.protocol.security import AddressError, check_address
 
 CLI = [sys.executable, "-m", "croupier.cli"]
 

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from croupier.server.planner import EpochPlan, Permutation, PlanError
+from croupier.protocol.epoch_plan import EpochPlan, Permutation, PlanError
 
 
 def _all_rank_indices(plan: EpochPlan) -> tuple[np.ndarray, np.ndarray]:
@@ -77,7 +77,7 @@ def test_every_rank_gets_equal_batches_and_global_batches_are_contiguous(
 
 def test_same_plan_in_another_process() -> None:
     code = (
-        "from croupier.server.planner import EpochPlan;"
+        "from croupier.protocol.epoch_plan import EpochPlan;"
         "p=EpochPlan(100003, 42, 3, 32, 3);"
         "print(p.rank_batch(2, 17).indices.tolist())"
     )

@@ -20,9 +20,9 @@ import pyarrow as pa
 import pytest
 from stores import WrappedStore
 
-from croupier.server.planner import EpochPlan
+from croupier.protocol.epoch_plan import EpochPlan
 from croupier.server.readers import open_dataset
-from croupier.server.scheduler import Dealer, FetchLimits, StreamRange
+from croupier.server.stream.dealer import Dealer, FetchLimits, StreamRange
 from croupier.server.storage import LocalStore
 from croupier.server.storage.base import Range
 from readers_data import write_imagefolder

@@ -15,7 +15,7 @@ import grpc
 import pytest
 
 from croupier.client import Loader, LoaderError
-from croupier.server.scheduler import FetchLimits
+from croupier.server.stream.dealer import FetchLimits
 from croupier.server.storage.urls import clear_cache
 from readers_data import expected_pixel, expected_row, write_arrow_folder, write_hf_dataset, write_imagefolder
 from readers_data import write_parquet, write_webdataset

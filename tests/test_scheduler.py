@@ -7,9 +7,9 @@ import asyncio
 import pyarrow as pa
 import pytest
 
-from croupier.server.planner import EpochPlan
+from croupier.protocol.epoch_plan import EpochPlan
 from croupier.server.readers.synthetic import SyntheticReader
-from croupier.server.scheduler import ChunkTooLargeError, Dealer, FetchLimits, ReadBudget, StreamRange
+from croupier.server.stream.dealer import ChunkTooLargeError, Dealer, FetchLimits, ReadBudget, StreamRange
 
 
 class GatedReader(SyntheticReader):

@@ -25,8 +25,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from croupier.client import Loader, LoaderError
-from croupier.server.auth import TokenFileError, TokenStore
-from croupier.server.tls import SecurityConfigError
+from croupier.server.access.auth import TokenFileError, TokenStore
+from croupier.server.access.tls import SecurityConfigError
 from croupier.v1 import croupier_pb2 as pb
 from croupier.v1 import croupier_pb2_grpc
 

@@ -21,7 +21,7 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from croupier.options import StreamOptions
+from croupier.protocol.options import StreamOptions
 from croupier.server.readers.base import Reader
 from croupier.v1 import croupier_pb2_grpc as pb_grpc
 

@@ -2,7 +2,7 @@
 
 from .api import RotatedTensorParallel
 from .hooks import ReplicatedLayerWarning
-from .memory import StateBytes, state_bytes
+from .state_bytes import StateBytes, state_bytes
 from .shard import Position, RotatingShard
 from .split import Split
 from .teardown import destroy_process_group

@@ -15,8 +15,8 @@ from torch.optim import Optimizer
 
 from . import checkpoint
 from .hooks import average_replicated_grads, disable_nested_tensor_paths, install_rotation, warn_replicated
-from .memory import StateBytes, state_bytes
-from .planner import plan_model
+from .state_bytes import StateBytes, state_bytes
+from .sharding_plan import plan_model
 from .ring import Ring, RingBuffers
 from .shard import RotatingShard
 from .split import Split

@@ -10,7 +10,7 @@
  * A job goes straight to an idle thread, woken by its own semaphore; a thread that
  * finishes takes a queued job before it sleeps. One condition variable shared by
  * hundreds of sleepers cost about 40% more CPU per read (woken threads fought over the
- * mutex; measured on the latency FS, benchmarks/results/readpool.md). io_uring was
+ * mutex; measured on the latency FS, bench/results/readpool.md). io_uring was
  * measured too and cost more: FUSE reads cannot complete inline, so io_uring hands each
  * to a kernel worker thread, which blocks like ours, plus its own bookkeeping.
  *

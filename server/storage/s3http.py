@@ -5,7 +5,7 @@ Tokio threads, plus a future handed back across threads to the loop; a 2-core se
 spent more on that than on everything else a row needs. Here a GET is one `write` of a
 signed request and one parse of the response on a connection the loop already watches:
 22-23 us of CPU per GET against obstore's 101-115 in the same run
-(benchmarks/results/s3get.md). obstore stays for everything else: listings and HEADs at
+(bench/results/s3get.md). obstore stays for everything else: listings and HEADs at
 open, credentials this module does not resolve (web identity, container and instance
 credentials), and every GET this one does not complete.
 

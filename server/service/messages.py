@@ -1,0 +1,71 @@
+"""Conversions between the server's plain objects and the wire messages (one place)."""
+
+from __future__ import annotations
+
+from croupier.v1 import croupier_pb2 as pb
+
+from croupier.protocol.epoch_plan import EpochPlan
+from croupier.server.readers.base import DatasetInfo, ImagePayload, TablePayload
+from croupier.server.stream.dealer import Chunk, StreamRange
+
+_KIND = {"table": pb.DATASET_KIND_TABLE, "image": pb.DATASET_KIND_IMAGE}
+
+
+def dataset_info_to_proto(info: DatasetInfo) -> pb.DatasetInfo:
+    return pb.DatasetInfo(
+        name=info.name,
+        num_rows=info.num_rows,
+        kind=_KIND.get(info.kind, pb.DATASET_KIND_UNSPECIFIED),
+        columns=[pb.Column(name=c.name, type=c.type) for c in info.columns],
+        format=info.format,
+        path=info.path,
+        classes=list(info.classes),
+        arrow_schema=info.arrow_schema,
+    )
+
+
+def header_to_proto(info: DatasetInfo, plan: EpochPlan, span: StreamRange) -> pb.StreamEpochResponse:
+    return pb.StreamEpochResponse(
+        header=pb.StreamHeader(
+            dataset=dataset_info_to_proto(info),
+            epoch=plan.epoch,
+            num_batches=plan.num_batches,
+            num_samples=plan.samples_per_rank,
+            start_batch=span.start_batch,
+            end_batch=span.end_batch,
+            batch_size=plan.batch_size,
+            last_batch_size=plan.last_batch_size,
+        )
+    )
+
+
+def chunk_to_proto(chunk: Chunk, epoch: int) -> pb.StreamEpochResponse:
+    refs = chunk.refs
+    msg = pb.Chunk(
+        epoch=epoch,
+        batches=[r.batch for r in refs],
+        positions=[r.position for r in refs],
+        indices=[r.index for r in refs],
+        completed_batches=chunk.completed_batches,
+    )
+    if any(r.padding for r in refs):
+        msg.padding.extend([r.padding for r in refs])
+    payload = chunk.payload
+    if isinstance(payload, TablePayload):
+        msg.arrow_ipc = payload.arrow_ipc
+    elif isinstance(payload, ImagePayload):
+        msg.images.extend(
+            pb.Image(
+                data=im.data,
+                label=im.label,
+                format=im.format,
+                height=im.height,
+                width=im.width,
+                channels=im.channels,
+                key=im.key,
+            )
+            for im in payload.images
+        )
+    else:  # a reader returned something the wire cannot carry: a bug, not bad input
+        raise TypeError(f"unknown payload type {type(payload).__name__}")
+    return pb.StreamEpochResponse(chunk=msg)
