@@ -1,4 +1,5 @@
-"""`python -m croupier.healthcheck [ADDRESS] [SERVICE]`: exit 0 when the server says SERVING.
+"""`croupier probe [ADDRESS] [SERVICE]` (or `python -m croupier.healthcheck`): exit 0 when the
+server says SERVING, 1 otherwise.
 
 The container HEALTHCHECK. It connects as any client would (croupier/protocol/security.py), so a
 server with TLS is probed over TLS: CROUPIER_TLS_CA (the CA of the server's certificate),
@@ -9,6 +10,7 @@ grpc only (the server image has no torch).
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 
@@ -35,6 +37,16 @@ def main(argv: list[str] | None = None) -> int:
             print(f"croupier healthcheck: {address}: {exc.code().name}: {exc.details()}", file=sys.stderr)
             return 1
     return 0 if reply.status == health_pb2.HealthCheckResponse.SERVING else 1
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    """`croupier probe`: the container HEALTHCHECK as a command, for scripts and people."""
+    p = sub.add_parser("probe", help="ask a server's grpc.health.v1 whether it is SERVING (exit 0) or not (1)",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("address", nargs="?", help="HOST:PORT (default 127.0.0.1:$CROUPIER_PORT, else 50051)")
+    p.add_argument("service", nargs="?", default="croupier.v1.Croupier",
+                   help="the service to ask about (default croupier.v1.Croupier; '' for the whole server)")
+    p.set_defaults(func=lambda args: main([a for a in (args.address, args.service) if a is not None]))
 
 
 if __name__ == "__main__":

@@ -70,7 +70,7 @@ def test_demo_announces_the_backend_its_ranks_pick(monkeypatch, capsys, gpus: in
 
     import torch
 
-    import croupier.demo
+    import croupier.demo.command
     import croupier.demo.procs
     from croupier.cli import main
     from croupier.demo.train import pick_backend
@@ -91,7 +91,7 @@ def test_demo_announces_the_backend_its_ranks_pick(monkeypatch, capsys, gpus: in
     monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
     monkeypatch.setattr(croupier.demo.procs, "RankGroup", Ranks)
     monkeypatch.setattr(signal, "signal", lambda *a: None)
-    monkeypatch.setattr(croupier.demo, "_check_reachable", lambda addresses, **kw: None)  # no server either
+    monkeypatch.setattr(croupier.demo.command, "_check_reachable", lambda addresses, **kw: None)  # no server either
     assert pick_backend(2) == backend
     assert main(["demo", "--server", "127.0.0.1:1", "--world-size", "2"]) == 0
     assert launched == [2]

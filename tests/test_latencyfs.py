@@ -54,7 +54,7 @@ def _pread_all(fd: int, size: int) -> bytes:
 # ---- no mount needed -------------------------------------------------------------
 
 def test_reasons_name_what_to_install(monkeypatch):
-    src = latencyfs._REPO / "benchmarks" / "latencyfs" / "latencyfs.c"
+    src = latencyfs._NATIVE / "latencyfs.c"
     real_which = latencyfs.shutil.which
     cc = latencyfs._compiler()
     monkeypatch.setattr(latencyfs.shutil, "which", lambda cmd: None if cmd == cc else real_which(cmd))
