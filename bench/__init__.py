@@ -17,7 +17,9 @@ from __future__ import annotations
 import argparse
 import shlex
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -44,32 +46,32 @@ def default_data_dir(suite_name: str) -> Path:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from .run import run_suite
     from .suites import SUITES
 
     name = args.suite
     command = " ".join(["croupier bench", *map(shlex.quote, sys.argv[2:])]) if sys.argv[1:2] == ["bench"] else ""
+    say = lambda s: print(s, flush=True)  # noqa: E731
     if name == "reliability":
         from .reliability import run_reliability
 
-        run_reliability(Path(args.out), command or "croupier bench --suite reliability",
-                        say=lambda s: print(s, flush=True))
+        run_reliability(Path(args.out), command or "croupier bench --suite reliability", say=say)
         return 0
     if args.quick:
         name = next((f"{k}-quick" for k in ("real", "peers") if args.suite.startswith(k)), "quick")
     suite = SUITES[name]()
     data_dir = Path(args.data_dir) if args.data_dir else default_data_dir(name)
+    report = _runner(suite)(suite, Path(args.out), data_dir, command or f"croupier bench --suite {name}",
+                            say=say, only=args.only)
+    return 1 if not report["cases"] else 0
+
+
+def _runner(suite: object) -> Callable[..., dict[str, Any]]:
+    """What measures a suite of this kind: the matrix (run.py), real (real.py) or peers
+    (peers/suite.py); each goes through driver.drive."""
     from .peers.suite import PeersSuite, run_peers
     from .real import RealSuite, run_real
+    from .run import run_suite
 
     if isinstance(suite, PeersSuite):
-        report = run_peers(suite, Path(args.out), data_dir, command or f"croupier bench --suite {name}",
-                           say=lambda s: print(s, flush=True), only=args.only)
-        return 1 if not report["cases"] else 0
-    if isinstance(suite, RealSuite):
-        report = run_real(suite, Path(args.out), data_dir, command or f"croupier bench --suite {name}",
-                          say=lambda s: print(s, flush=True), only=args.only)
-        return 1 if not report["cases"] else 0
-    report = run_suite(suite, Path(args.out), data_dir, command or f"croupier bench --suite {name}",
-                       say=lambda s: print(s, flush=True), only=args.only)
-    return 1 if not report["cases"] else 0
+        return run_peers
+    return run_real if isinstance(suite, RealSuite) else run_suite

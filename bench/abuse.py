@@ -32,7 +32,7 @@ def stalled_streams(workdir: Path, *, attempts: int = 2000, connections: int = 4
                     log: Callable[[str], None] = lambda s: None) -> dict[str, Any]:
     """`attempts` streams from one client (127.0.0.1) over `connections` connections, never
     read past the header; another client (::1) reads an epoch of `rows` meanwhile."""
-    from croupier.client import Loader
+    from croupier.client import Loader, RetryPolicy
 
     workdir.mkdir(parents=True, exist_ok=True)
     server = ServerProcess([f"rows=synthetic:{rows}:4096"], workdir, ["--prefetch", "1", *extra_args],
@@ -60,7 +60,8 @@ def stalled_streams(workdir: Path, *, attempts: int = 2000, connections: int = 4
         chans, calls, outcome = loop.run_until_complete(abuse())
         result["outcome"] = dict(outcome)
         log(f"  {attempts:,} stream attempts: {dict(outcome)}")
-        loader = Loader("rows", servers=f"[::1]:{server.port}", batch_size=25, seed=7, retry_backoff_s=0.05)
+        loader = Loader("rows", servers=f"[::1]:{server.port}", batch_size=25, seed=7,
+                        retry=RetryPolicy(initial_backoff_s=0.05))
         got = [i for b in loader.batches() for i in b.indices[~b.padding].tolist()]
         loader.close()
         result["other_client"] = {"expected": rows, "delivered": len(got), "distinct": len(set(got)),

@@ -21,8 +21,6 @@ _prefetch, polled from /metrics every 0.1 s), plotted per condition.
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import os
 import statistics
 import sys
@@ -35,8 +33,10 @@ from typing import Any
 
 from .cases import CROUPIER, Case, ServerProcess, Storage, aggregate, run_ranks
 from .datagen import DataSpec, ensure_data
+from .driver import drive
 from .promscrape import scrape
 from .real import LOCAL, Condition, latency_fs, open_storage
+from .reporting import header_lines, num
 from .trainer import RankJob
 
 SETTINGS = ("croupier_autotune_reads_in_flight", "croupier_autotune_prefetch", "croupier_autotune_chunk_samples",
@@ -188,12 +188,11 @@ def summarize(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return rows
 
 
-def markdown(report: dict[str, Any]) -> str:
-    def f(v: Any) -> str:
-        return "-" if v is None else f"{v:,.0f}" if isinstance(v, float) and v > 10 else f"{v:.2f}" \
-            if isinstance(v, float) else str(v)
+def markdown(report: dict[str, Any], plots: list[str]) -> str:
+    def f(v: Any) -> str:  # rates as whole numbers, ratios to two places
+        return num(v, (",.0f" if v > 10 else ".2f") if isinstance(v, float) else "")
 
-    lines = [f"# Autotuning benchmark ({report['mode']})", "", f"Command: `{report['command']}`", "",
+    lines = [f"# Autotuning benchmark ({report['mode']})", "", *header_lines(report),
              f"{report['note']}", "",
              "| condition | autotuned samples/s | defaults (--no-autotune) | best grid point | its samples/s | "
              "autotuned / best | autotuned / defaults | tuner's final reads in flight, prefetch | goal >= 0.9 |",
@@ -228,23 +227,23 @@ def markdown(report: dict[str, Any]) -> str:
     for r in report["results"]:
         lines.append(f"| {r['condition']} | {r.get('round', 0) + 1} | {r['variant']} | {f(r['samples_per_s'])} | "
                      f"{r['first_batch_s']:.2f} |")
-    if report.get("plot"):
-        lines += ["", f"![tuner settings over time]({report['plot']})"]
+    for p in plots:
+        lines += ["", f"![tuner settings over time]({Path(p).name})"]
     return "\n".join(lines) + "\n"
 
 
-def plot(results: list[dict[str, Any]], path: Path) -> Path | None:
+def plots(report: dict[str, Any], out: Path, stem: str) -> list[str]:
+    """`<stem>.png`: the tuner's settings over time in each condition's first autotuned run."""
+    from .plots import pyplot, save
+
     try:
-        from .plots import _pyplot, _save
+        plt = pyplot()
     except ImportError:
-        return None
-    try:
-        plt = _pyplot()
-    except ImportError:
-        return None
-    autos = [r for r in results if r["variant"] == "autotuned" and r["settings_over_time"] and not r.get("round")]
+        return []
+    autos = [r for r in report["results"] if r["variant"] == "autotuned" and r["settings_over_time"]
+             and not r.get("round")]
     if not autos:
-        return None
+        return []
     fig, axes = plt.subplots(1, len(autos), figsize=(4 * len(autos), 3.2), squeeze=False)
     for ax, r in zip(axes[0], autos):
         pts = r["settings_over_time"]
@@ -256,7 +255,7 @@ def plot(results: list[dict[str, Any]], path: Path) -> Path | None:
         ax.set_title(r["condition"], fontsize=9)
         ax.set_xlabel("seconds since server start")
     axes[0][0].legend(fontsize=7)
-    return _save(fig, path)
+    return [str(save(fig, out / f"{stem}.png"))]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -277,47 +276,53 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     bench = quick() if args.quick else full()
     stem = args.stem or ("autotune-quick" if args.quick else "autotune")
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    data = ensure_data(Path(args.data_dir) / ("quick" if args.quick else "full"), bench.data)
     log = Path(tempfile.gettempdir()) / f"croupier-bench-{stem}-server.log"
-    results = []
-    for cond in bench.conditions:
-        if args.only and not any(o.strip() and o.strip() in cond.name for o in args.only.split(",")):
-            continue
-        with open_storage(cond, data) as st:
-            def one(rnd: int, label: str, flags: list[str]) -> dict[str, Any]:
-                print(f"{cond.name}: {label} (round {rnd + 1}) ...", flush=True)
-                try:
-                    r = run_one(bench, st, cond, label, flags, log)
-                except Exception as exc:  # one failed case is reported; the rest carry on
-                    r = {"condition": cond.name, "variant": label, "flags": flags, "samples_per_s": 0.0,
-                         "samples": 0, "first_batch_s": float("nan"), "settings_over_time": [], "error": str(exc)}
-                print(f"  {r['samples_per_s']:,.0f} samples/s", flush=True)
-                return {**r, "round": rnd}
+    command = "python -m croupier.bench.autotune " + " ".join(argv if argv is not None else sys.argv[1:])
 
-            if args.held_out:  # a sweep picks the grid point, as a user tuning by hand would; then fresh rounds
-                sweep = [one(0, label, flags) for label, flags in bench.variants()]
-                results += sweep
-                pick = max((r for r in sweep if r["variant"].startswith("grid")), key=lambda r: r["samples_per_s"])
-                again = [(label, flags) for label, flags in bench.variants()
-                         if label in ("autotuned", "defaults", pick["variant"])]
-                for n in range(1, args.held_out + 1):  # each round starts with another variant: no order bias
-                    k = n % len(again)
-                    results += [one(n, label, flags) for label, flags in again[k:] + again[:k]]
-            else:
-                results += [one(n, label, flags) for n in range(max(1, args.repeat)) for label, flags in bench.variants()]
-    report = {"mode": "quick" if args.quick else "full", "command": "python -m croupier.bench.autotune "
-              + " ".join(argv if argv is not None else sys.argv[1:]),
-              "date": datetime.datetime.now().isoformat(timespec="seconds"), "load": list(os.getloadavg()),
-              "note": args.note, "bench": asdict(bench), "results": results, "summary": summarize(results),
-              "held_out": args.held_out}
-    png = plot(results, out / f"{stem}.png")
-    report["plot"] = png.name if png else None
-    (out / f"{stem}.json").write_text(json.dumps(report, indent=1, default=str))
-    (out / f"{stem}.md").write_text(markdown(report))
-    print(markdown(report))
+    def measure(rep: dict[str, Any]) -> None:
+        rep.update(mode="quick" if args.quick else "full", note=args.note, bench=asdict(bench),
+                   held_out=args.held_out)
+        data = ensure_data(Path(args.data_dir) / ("quick" if args.quick else "full"), bench.data)
+        results: list[dict[str, Any]] = []
+        for cond in bench.conditions:
+            if args.only and not any(o.strip() and o.strip() in cond.name for o in args.only.split(",")):
+                continue
+            with open_storage(cond, data) as st:
+                results += rounds(bench, st, cond, log, args.repeat, args.held_out)
+        rep["results"], rep["summary"] = results, summarize(results)
+
+    out = Path(args.out)
+    drive(stem, out, command, measure, markdown, plots)
+    print((out / f"{stem}.md").read_text())
     return 0
+
+
+def rounds(bench: AutotuneBench, st: Any, cond: Condition, log: Path, repeat: int = 1,
+           held_out: int = 0) -> list[dict[str, Any]]:
+    """Every variant `repeat` times, interleaved round by round; or, with `held_out` N, one sweep
+    of the whole grid picks the best grid point (as a user tuning by hand would), then N fresh
+    rounds of autotuned, defaults and that point, each round starting with the next of them."""
+
+    def one(rnd: int, label: str, flags: list[str]) -> dict[str, Any]:
+        print(f"{cond.name}: {label} (round {rnd + 1}) ...", flush=True)
+        try:
+            r = run_one(bench, st, cond, label, flags, log)
+        except Exception as exc:  # one failed case is reported; the rest carry on
+            r = {"condition": cond.name, "variant": label, "flags": flags, "samples_per_s": 0.0,
+                 "samples": 0, "first_batch_s": float("nan"), "settings_over_time": [], "error": str(exc)}
+        print(f"  {r['samples_per_s']:,.0f} samples/s", flush=True)
+        return {**r, "round": rnd}
+
+    if not held_out:
+        return [one(n, label, flags) for n in range(max(1, repeat)) for label, flags in bench.variants()]
+    sweep = [one(0, label, flags) for label, flags in bench.variants()]
+    pick = max((r for r in sweep if r["variant"].startswith("grid")), key=lambda r: r["samples_per_s"])
+    again = [(label, flags) for label, flags in bench.variants() if label in ("autotuned", "defaults", pick["variant"])]
+    results = sweep
+    for n in range(1, held_out + 1):  # each round starts with another variant: no order bias
+        k = n % len(again)
+        results += [one(n, label, flags) for label, flags in again[k:] + again[:k]]
+    return results
 
 
 if __name__ == "__main__":

@@ -64,7 +64,7 @@ class System:
         if self.kind == "croupier":
             if self.ordered:
                 return 1
-            from croupier.server.stream.dealer import FetchLimits
+            from croupier.server.stream.fetch_limits import FetchLimits
 
             limits = FetchLimits()  # the server's defaults, which the benchmark does not change
             window = ((self.prefetch or limits.default_prefetch) + 1) * batch
@@ -77,7 +77,7 @@ class System:
         if self.kind == "croupier":
             if self.ordered:
                 return 2
-            from croupier.server.stream.dealer import FetchLimits
+            from croupier.server.stream.fetch_limits import FetchLimits
 
             return (self.prefetch or FetchLimits().default_prefetch) + 1 + 4  # server window + Loader buffer
         return max(2, 2 * self.workers)  # DataLoader's prefetch_factor 2 per worker

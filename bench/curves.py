@@ -12,7 +12,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from croupier.server.stream.dealer import FetchLimits
+from croupier.server.stream.fetch_limits import FetchLimits
 
 from .cases import CROUPIER, Case, ServerProcess, latency, run_case, server_flags
 from .procstat import cpu_seconds, load_into_page_cache

@@ -11,7 +11,9 @@ times its cores.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -56,3 +58,22 @@ def decode_rates(paths: dict[str, Path], seconds: float = 1.5) -> dict[str, floa
     """Samples/s on one core, per dataset (the tar shards hold the same JPEGs as the folder)."""
     images = image_rate(paths["imagefolder"], seconds)
     return {"text": text_rate(paths["text"], seconds=seconds), "imagefolder": images, "shards": images}
+
+
+class DecodeCeiling:
+    """One core's decode rates, measured when a suite starts and again when it ends: on a
+    shared machine the better of the two is the ceiling (other jobs may have slowed one)."""
+
+    def __init__(self, paths: dict[str, Path], seconds: float, say: Callable[[str], None]):
+        self.paths, self.seconds = paths, seconds
+        self.start = decode_rates(paths, seconds)
+        say("decode rate, one core: " + ", ".join(f"{k} {v:,.0f} samples/s" for k, v in self.start.items()))
+
+    def end(self, rep: dict[str, Any], say: Callable[[str], None]) -> dict[str, float]:
+        """Measures again; records both ("decode_rates_measured") and the better per dataset
+        ("decode_rates") in `rep`, and returns the better."""
+        again = decode_rates(self.paths, self.seconds)
+        rep["decode_rates_measured"] = {"start": self.start, "end": again}
+        rep["decode_rates"] = best = {k: max(v, again[k]) for k, v in self.start.items()}
+        say("decode rate at the end: " + ", ".join(f"{k} {v:,.0f} samples/s" for k, v in again.items()))
+        return best

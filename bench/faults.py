@@ -109,7 +109,7 @@ def replica_churn(workdir: Path, *, kills: int = 20, seed: int = 0, rows: int = 
     client's buffers and be over before the fault; the faults fall at least `TAIL`
     batches before the epoch's end, and each waits until a replica has a stream open, so
     every one of them cuts live streams."""
-    from croupier.client import Loader
+    from croupier.client import Loader, RetryPolicy
 
     rng = random.Random(seed)
     workdir.mkdir(parents=True, exist_ok=True)
@@ -132,7 +132,8 @@ def replica_churn(workdir: Path, *, kills: int = 20, seed: int = 0, rows: int = 
             lock.wait_for(lambda: state["done"] < state["limit"], timeout=120)
 
     loaders = [Loader("rows", servers=servers, batch_size=batch_size, rank=r, world_size=world, seed=seed, epoch=1,
-                      retry_backoff_s=0.05, max_retries=200, channel_options=[("grpc.http2.bdp_probe", 0)])
+                      retry=RetryPolicy(initial_backoff_s=0.05, max_retries=200),
+                      channel_options=[("grpc.http2.bdp_probe", 0)])
                for r in range(world)]
     ranks = [_Rank(ld, gate, on_batch) for ld in loaders]
     started = time.perf_counter()
@@ -265,14 +266,14 @@ class CuttableProxy:
 def connection_cuts(workdir: Path, *, cuts: int = 20, seed: int = 0, rows: int = 4000, batch_size: int = 16,
                     log: Callable[[str], None] = lambda s: None) -> FaultResult:
     """One trainer reads through a proxy whose connections are reset at `cuts` random points."""
-    from croupier.client import Loader
+    from croupier.client import Loader, RetryPolicy
 
     rng = random.Random(seed)
     workdir.mkdir(parents=True, exist_ok=True)
     server = ServerProcess([f"rows=synthetic:{rows}:64"], workdir, PACED, name="cut-server").start()
     proxy = CuttableProxy(server.port)
-    loader = Loader("rows", servers=[proxy.address], batch_size=batch_size, seed=seed, retry_backoff_s=0.05,
-                    max_retries=50)
+    loader = Loader("rows", servers=[proxy.address], batch_size=batch_size, seed=seed,
+                    retry=RetryPolicy(initial_backoff_s=0.05, max_retries=50))
     batches = -(-rows // batch_size)
     points = set(rng.sample(range(1, batches - 1), cuts))
     delivered: list[int] = []
@@ -296,11 +297,12 @@ def _trainer_main(argv: Sequence[str]) -> int:
     """A trainer process: reads its epoch, and after every batch saves the Loader's
     state_dict and the count of delivered batches together, atomically, as a trainer's
     checkpoint does; on start it resumes from that checkpoint."""
-    from croupier.client import Loader
+    from croupier.client import Loader, RetryPolicy
 
     address, out, batch_size, seed = argv[0], Path(argv[1]), int(argv[2]), int(argv[3])
     ckpt, delivered = out / "ckpt.json", out / "delivered.jsonl"
-    loader = Loader("rows", servers=[address], batch_size=batch_size, seed=seed, retry_backoff_s=0.05)
+    loader = Loader("rows", servers=[address], batch_size=batch_size, seed=seed,
+                    retry=RetryPolicy(initial_backoff_s=0.05))
     done = 0
     if ckpt.exists():
         saved = json.loads(ckpt.read_text())

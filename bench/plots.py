@@ -8,7 +8,8 @@ from typing import Any
 from .report import DATASET_TITLES
 
 
-def _pyplot():
+def pyplot():
+    """matplotlib's pyplot on the Agg backend (files, no display); ImportError without matplotlib."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -17,10 +18,11 @@ def _pyplot():
     return plt
 
 
-def _save(fig: Any, path: Path) -> Path:
+def save(fig: Any, path: Path) -> Path:
+    """`fig` laid out, written to `path` at the reports' resolution, and closed."""
     fig.tight_layout()
     fig.savefig(path, dpi=110)
-    _pyplot().close(fig)
+    pyplot().close(fig)
     return path
 
 
@@ -29,7 +31,7 @@ def throughput(report: dict[str, Any], path: Path) -> Path | None:
     datasets = [d for d in DATASET_TITLES if any(r["case"]["dataset"] == d for r in report["cases"])]
     if not datasets:
         return None
-    plt = _pyplot()
+    plt = pyplot()
     fig, axes = plt.subplots(2, len(datasets), figsize=(6 * len(datasets), 9.5), squeeze=False)
     for col, ds in enumerate(datasets):
         rows = [r for r in report["cases"] if r["case"]["dataset"] == ds and not r.get("error")]
@@ -57,11 +59,11 @@ def throughput(report: dict[str, Any], path: Path) -> Path | None:
         handles, labels = axes[0][col].get_legend_handles_labels()
         axes[1][col].legend(handles, labels, fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.22), ncol=1)
     fig.suptitle(f"croupier bench ({report['suite']}): {report['world']} ranks, batch {report['batch']}")
-    return _save(fig, path)
+    return save(fig, path)
 
 
 def in_flight(points: list[dict[str, Any]], latency_ms: float, path: Path) -> Path:
-    plt = _pyplot()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(6, 4.5))
     c = [p["reads_in_flight"] for p in points]
     ax.plot(c, [p["samples_per_s"] for p in points], "o-", label="croupier unordered (measured)")
@@ -69,11 +71,11 @@ def in_flight(points: list[dict[str, Any]], latency_ms: float, path: Path) -> Pa
     ax.set(xscale="log", yscale="log", xlabel="reads in flight C", ylabel="samples/s",
            title=f"Throughput vs reads in flight ({latency_ms:g} ms lognormal, 1 rank)")
     ax.legend()
-    return _save(fig, path)
+    return save(fig, path)
 
 
 def streams(points: list[dict[str, Any]], latency_ms: float, path: Path) -> Path:
-    plt = _pyplot()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(6, 4.5))
     n = [p["streams"] for p in points]
     ax.plot(n, [p["samples_per_s"] for p in points], "o-", label="samples/s (all streams)")
@@ -83,11 +85,11 @@ def streams(points: list[dict[str, Any]], latency_ms: float, path: Path) -> Path
     ax2.plot(n, [p["batch_p99_ms"] for p in points], "s--", color="tab:red", label="batch p99 ms")
     ax2.set_ylabel("batch p99 ms")
     fig.legend(loc="upper left", fontsize=8)
-    return _save(fig, path)
+    return save(fig, path)
 
 
 def planner(points: list[dict[str, Any]], path: Path) -> Path:
-    plt = _pyplot()
+    plt = pyplot()
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4.5))
     rows = [p["rows"] for p in points]
     a.plot(rows, [p["first_batch_ms"] / 1000 for p in points], "o-", label="EpochPlan: first batch")
@@ -100,7 +102,7 @@ def planner(points: list[dict[str, Any]], path: Path) -> Path:
     b.plot([p["rows"] for p in np_points], [p["numpy_peak_mb"] for p in np_points], "s--", label="numpy permutation")
     b.set(xscale="log", yscale="log", xlabel="dataset rows", ylabel="peak MB", title="Planner memory")
     b.legend()
-    return _save(fig, path)
+    return save(fig, path)
 
 
 def all_plots(report: dict[str, Any], out: Path, stem: str) -> list[str]:

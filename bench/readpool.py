@@ -22,7 +22,6 @@ medians over rounds. The files are generated once (random bytes) under the cache
 from __future__ import annotations
 
 import argparse
-import asyncio
 import importlib.util
 import json
 import os
@@ -40,6 +39,7 @@ import croupier.server.storage
 
 from . import procstat
 from .inflight import keep_in_flight
+from .reporting import header_lines, num, run_header, utc
 
 SOURCE = Path(__file__).resolve().parent / "native" / "rawreads.c"
 # The product's pool, from the checkout the product is installed from (editable installs).
@@ -224,20 +224,17 @@ def summarize(results: dict[str, list[dict]], skipped: dict[str, str], a: argpar
         rows[mode] = {"reads_per_s": statistics.median(r["reads"] / r["seconds"] for r in rs),
                       "cpu_us": med(rs, "cpu_s"), "loop_us": med(rs, "loop_s"),
                       "read_threads_us": med(rs, "read_threads_s"), "daemon_us": med(rs, "daemon_s"), "runs": rs}
-    from .run import code_state
-
-    rev = code_state()
-    cmd = "python -m croupier.bench.readpool" + "".join(f" --against {r}" for r in a.against) + (f" --out {a.out}" if a.out else "")
-    fmt = lambda v: "-" if v is None else f"{v:.1f}"  # noqa: E731
+    cmd = ("python -m croupier.bench.readpool" + "".join(f" --against {r}" for r in a.against)
+           + (f" --out {a.out}" if a.out else ""))
+    header = {**run_header(cmd), "started": utc(started), "load": {"start": list(load0), "end": list(load1)}}
+    fmt = lambda v: num(v, ".1f")  # noqa: E731
     lines = [
         "# Read pool: CPU per read on the latency FS", "",
-        f"Command: `{cmd}`  ",
-        f"Run: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime(started))}, revision {rev}; "
-        f"load average at start {load0[0]:.2f}, at end {load1[0]:.2f} (it counts the runs' own threads blocked "
-        "in reads)  ",
+        *header_lines(header),
         f"{a.reads:,} random reads of {a.size:,} bytes, {a.in_flight} in flight, over {a.files} files of 64 MB on "
         f"latencyfs (lognormal median {a.median_ms:g} ms, sigma 0.5); page cache of the files evicted before each run; "
-        f"{a.rounds} rounds, modes alternated; medians.", "",
+        f"{a.rounds} rounds, modes alternated; medians. The load average counts the runs' own threads blocked in "
+        "reads.", "",
         "| way of reading | reads/s | process CPU us/read | event loop | read threads | FUSE daemon us/read |",
         "|---|---|---|---|---|---|",
     ]
@@ -249,7 +246,7 @@ def summarize(results: dict[str, list[dict]], skipped: dict[str, str], a: argpar
     lines += ["", "`pool`: croupier's read pool driven from a uvloop loop as the server drives it (the loop's "
               "column is submitting and draining in Python); `threads`: blocking preads back to back on "
               f"{a.in_flight} threads in C (no hand-off at all); `io_uring`: one ring in C.", ""]
-    return {"rows": rows, "skipped": skipped, "command": cmd, "revision": rev, "markdown": "\n".join(lines)}
+    return {"rows": rows, "skipped": skipped, **header, "markdown": "\n".join(lines)}
 
 
 if __name__ == "__main__":

@@ -23,12 +23,10 @@ the case, so it counts every system the same way; see README "croupier bench --s
 from __future__ import annotations
 
 import contextlib
-import datetime
 import json
 import math
 import os
 import shutil
-import subprocess
 import tempfile
 import threading
 import time
@@ -53,9 +51,13 @@ from .cases import (
     run_ranks,
     steady_skip,
 )
+from . import latencyfs
 from .datagen import BenchData, DataSpec, ensure_data
+from .decode import DecodeCeiling
+from .driver import Report, attempt, drive
 from .procstat import ThreadCPU, cpu_seconds, load_into_page_cache, peak_rss_mb, thread_cpu, thread_cpu_delta
 from .promscrape import scrape
+from .reporting import num, target
 from .trainer import RankJob
 
 SIGMA = 0.5
@@ -271,8 +273,6 @@ def open_storage(cond: Condition, data: BenchData) -> Iterator[StorageUnderTest]
     if cond.key == "local":
         yield LocalFiles(data)
     elif cond.key == "fuse":
-        from . import latencyfs
-
         with latencyfs.mounted(data.root, median_ms=cond.median_ms, sigma=cond.sigma, distribution="lognormal",
                                seed=cond.seed) as fs:
             yield LatencyFSStorage(fs, cond)
@@ -619,175 +619,180 @@ def _best(results: list[dict[str, Any]], ds: str, cond_key: str, kind: str = "da
     return max(rs, key=lambda r: r["samples_per_s"]) if rs else None
 
 
-def _target(name: str, measured: float | None, want: float, detail: str) -> dict[str, Any]:
-    return {"target": name, "measured": None if measured is None else float(measured), "want": want,
-            "met": bool(measured is not None and measured >= want), "detail": detail}  # numpy bools are no JSON
-
-
 def check_targets(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The issue's targets, as numbers (see the report's Targets section)."""
     out: list[dict[str, Any]] = []
     for cold in (False, True):
         cr, dl = _find(results, "text", "fuse", CROUPIER.label, cold), _best(results, "text", "fuse", cold=cold)
         if cr and dl:
-            out.append(_target(f"text, {cr['condition']['name']}: croupier unordered >= 10x the best DataLoader",
-                               cr["samples_per_s"] / dl["samples_per_s"], 10.0,
-                               f"{cr['samples_per_s']:,.0f} vs {dl['samples_per_s']:,.0f} samples/s ({dl['label']}); "
-                               f"storage reads per sample {_f(cr['storage'].get('reads_per_sample'), '.2f')} vs "
-                               f"{_f(dl['storage'].get('reads_per_sample'), '.2f')}"))
+            out.append(target(f"text, {cr['condition']['name']}: croupier unordered >= 10x the best DataLoader",
+                              cr["samples_per_s"] / dl["samples_per_s"], 10.0,
+                              f"{cr['samples_per_s']:,.0f} vs {dl['samples_per_s']:,.0f} samples/s ({dl['label']}); "
+                              f"storage reads per sample {num(cr['storage'].get('reads_per_sample'), '.2f')} vs "
+                              f"{num(dl['storage'].get('reads_per_sample'), '.2f')}"))
     cr, dl = _find(results, "imagefolder", "fuse", CROUPIER.label), _best(results, "imagefolder", "fuse")
     if cr and dl:
         want = min(3 * dl["samples_per_s"], 0.7 * cr["ceiling_decode"])
         which = "3x best DataLoader" if want == 3 * dl["samples_per_s"] else "0.7 of the decode ceiling"
-        out.append(_target("images (ImageFolder), latency FS: croupier unordered >= 3x the best DataLoader "
-                           "or >= 0.7 of the JPEG decode ceiling, whichever is lower",
-                           cr["samples_per_s"] / want, 1.0,
-                           f"{cr['samples_per_s']:,.0f} samples/s against {want:,.0f} ({which}); best DataLoader "
-                           f"{dl['samples_per_s']:,.0f} ({dl['label']}), decode ceiling {cr['ceiling_decode']:,.0f}"))
+        out.append(target("images (ImageFolder), latency FS: croupier unordered >= 3x the best DataLoader "
+                          "or >= 0.7 of the JPEG decode ceiling, whichever is lower",
+                          cr["samples_per_s"] / want, 1.0,
+                          f"{cr['samples_per_s']:,.0f} samples/s against {want:,.0f} ({which}); best DataLoader "
+                          f"{dl['samples_per_s']:,.0f} ({dl['label']}), decode ceiling {cr['ceiling_decode']:,.0f}"))
     for cond, cold in (("fuse", False), ("fuse", True), ("s3", False)):
         for ds in ("text", "imagefolder", "shards"):
             cr = _find(results, ds, cond, CROUPIER.label, cold)
             if cr is None or cr.get("fraction_of_ceiling") is None:
                 continue
             s = cr["storage"]
-            out.append(_target(f"{ds}, {cr['condition']['name']}: croupier unordered >= 0.7 of min(C/L, CPU ceiling)",
-                               cr["fraction_of_ceiling"], 0.7,
-                               f"{cr['samples_per_s']:,.0f} of {cr['ceiling']:,.0f} samples/s ({cr['ceiling_binding']}; "
-                               f"C/L {_f(cr['ceiling_c_over_l'])} = {s.get('max_in_flight', 0):,.0f} in flight / "
-                               f"{s.get('mean_latency_ms_configured', 0):.2f} ms / "
-                               f"{_f(s.get('reads_per_sample_for_ceiling'), '.2f')} reads per sample; "
-                               f"CPU {_f(cr['ceiling_cpu'])})"))
+            out.append(target(f"{ds}, {cr['condition']['name']}: croupier unordered >= 0.7 of min(C/L, CPU ceiling)",
+                              cr["fraction_of_ceiling"], 0.7,
+                              f"{cr['samples_per_s']:,.0f} of {cr['ceiling']:,.0f} samples/s ({cr['ceiling_binding']}; "
+                              f"C/L {num(cr['ceiling_c_over_l'])} = {s.get('max_in_flight', 0):,.0f} in flight / "
+                              f"{s.get('mean_latency_ms_configured', 0):.2f} ms / "
+                              f"{num(s.get('reads_per_sample_for_ceiling'), '.2f')} reads per sample; "
+                              f"CPU {num(cr['ceiling_cpu'])})"))
     for ds in ("text", "imagefolder"):
         cr, dl = _find(results, ds, "s3", CROUPIER.label), _best(results, ds, "s3")
         if cr and dl:
-            out.append(_target(f"{ds}, S3: croupier unordered >= 10x the best DataLoader",
-                               cr["samples_per_s"] / dl["samples_per_s"], 10.0,
-                               f"{cr['samples_per_s']:,.0f} vs {dl['samples_per_s']:,.0f} samples/s ({dl['label']})"))
+            out.append(target(f"{ds}, S3: croupier unordered >= 10x the best DataLoader",
+                              cr["samples_per_s"] / dl["samples_per_s"], 10.0,
+                              f"{cr['samples_per_s']:,.0f} vs {dl['samples_per_s']:,.0f} samples/s ({dl['label']})"))
     return out
-
-
-def _f(x: Any, fmt: str = ",.0f") -> str:
-    return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, fmt)
 
 
 # ---- the suite ------------------------------------------------------------------------------
 
 def run_real(suite: RealSuite, out: Path, data_dir: Path, command: str, say: Callable[[str], None] = print,
-             only: str = "") -> dict[str, Any]:
-    from . import latencyfs, realreport
-    from .decode import decode_rates
-    from .run import code_state, machine
+             only: str = "") -> Report:
+    """Runs `suite` (only the cases whose "dataset | storage | system | role" contains `only`) and
+    writes `<suite>.json`, `.md` and the plots under `out`."""
+    from . import realreport
 
-    t0 = time.perf_counter()
-    out.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix=f"croupier-bench-{suite.name}-"))
-    log = work / "server.log"
-    log.write_text("")
-    rep: dict[str, Any] = {
-        "suite": suite.name, "command": command, "machine": machine(), "code": code_state(),
-        "revision": _git("rev-parse", "HEAD"),
-        "started": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "load": {"start": list(os.getloadavg())}, "data": asdict(suite.data), "batch": suite.batch,
-        "world": suite.world, "server_flags": list(suite.server_flags), "errors": [], "skipped": [],
-        "limits": {"max_batches": suite.max_batches, "max_seconds": suite.max_seconds,
-                   "hard_seconds": suite.hard_seconds},
-    }
-    data = ensure_data(data_dir, suite.data, log=say)
-    local = {k: v for k, v in data.paths().items()}
-    rates = decode_rates(local, suite.decode_seconds)
-    say("decode rate, one core: " + ", ".join(f"{k} {v:,.0f} samples/s" for k, v in rates.items()))
-    index_file = work / "text-batches.json"
-    from .s3baselines import arrow_batch_index
+    return drive(suite.name, out, command, lambda rep: RealRun(suite, rep, say).measure(data_dir, only),
+                 realreport.markdown, realreport.plots, say)
 
-    index = arrow_batch_index(data.text)
-    index_file.write_text(json.dumps(index))
-    rep["text_record_batches"] = {"files": len(index["files"]), "batches": len(index["batches"]),
-                                  "rows_per_batch": index["batches"][0][4] if index["batches"] else 0,
-                                  "mean_batch_bytes": float(np.mean([b[2] for b in index["batches"]]))}
-    tar_cache = data_dir.parent / f"{data_dir.name}-tar-index"  # croupier's tar index for s3:// shards
-    fuse_reason = latencyfs.check_available()
-    rep["conditions"] = {}
-    def wanted(c: RealCase) -> bool:
-        return not only or only in f"{c.dataset} | {c.condition.name} | {c.system.label} | {c.role}"
 
-    plan = [(cond, [c for c in group if wanted(c)]) for cond, group in suite.plan()]
-    plan = [(cond, group) for cond, group in plan if group]
-    total = sum(len(g) for _, g in plan)
-    results: list[dict[str, Any]] = []
-    n_done = 0
-    for cond, todo in plan:
-        if cond.key == "fuse" and fuse_reason:
-            rep["skipped"].append(f"{cond.name}: skipped, latencyfs is unusable here: {fuse_reason}")
-            say(f"skipping {cond.name}: {fuse_reason}")
-            n_done += len(todo)
-            continue
-        with open_storage(cond, data) as st:
-            rep["conditions"].setdefault(cond.name, {
+class RealRun:
+    """One run of a real suite: the storage conditions in turn, each case through the storage's
+    own counters; what it measures goes into `rep`. Its server log, the text's record-batch
+    index and the profile live in a folder of its own, removed when `measure` returns."""
+
+    data: BenchData
+    #: The run's own folder, its server log, and the text's record-batch index in it.
+    work: Path
+    log: Path
+    index_file: str
+    #: croupier's tar index of s3:// shards, kept beside the data between runs.
+    tar_cache: Path
+
+    def __init__(self, suite: RealSuite, rep: Report, say: Callable[[str], None]):
+        self.suite, self.rep, self.say = suite, rep, say
+        self.results: list[dict[str, Any]] = []
+        self.done = self.total = 0
+
+    def measure(self, data_dir: Path, only: str = "") -> None:
+        suite, rep = self.suite, self.rep
+        rep.update({"data": asdict(suite.data), "batch": suite.batch, "world": suite.world,
+                    "server_flags": list(suite.server_flags), "skipped": [],
+                    "limits": {"max_batches": suite.max_batches, "max_seconds": suite.max_seconds,
+                               "hard_seconds": suite.hard_seconds}})
+        self.data = ensure_data(data_dir, suite.data, log=self.say)
+        decode = DecodeCeiling(self.data.paths(), suite.decode_seconds, self.say)
+        self.tar_cache = data_dir.parent / f"{data_dir.name}-tar-index"
+        with tempfile.TemporaryDirectory(prefix=f"croupier-bench-{suite.name}-", ignore_cleanup_errors=True) as work:
+            self.work = Path(work)
+            self.log = self.work / "server.log"
+            self.log.write_text("")
+            self.index_file = self._text_index()
+            rep["conditions"] = {}
+            plan = [(cond, [c for c in group if not only or only in
+                            f"{c.dataset} | {c.condition.name} | {c.system.label} | {c.role}"])
+                    for cond, group in suite.plan()]
+            plan = [(cond, group) for cond, group in plan if group]
+            self.total = sum(len(g) for _, g in plan)
+            fuse_reason = latencyfs.check_available()
+            for cond, todo in plan:
+                if cond.key == "fuse" and fuse_reason:
+                    rep["skipped"].append(f"{cond.name}: skipped, latencyfs is unusable here: {fuse_reason}")
+                    self.say(f"skipping {cond.name}: {fuse_reason}")
+                    self.done += len(todo)
+                    continue
+                self._condition(cond, todo)
+        rates = decode.end(rep, self.say)
+        derive(self.results, rates, rep["machine"]["cores"])
+        rep["cases"] = self.results
+        if suite.targets:
+            rep["targets"] = check_targets(self.results)
+
+    def _text_index(self) -> str:
+        """The text's Arrow record batches (file, offset, bytes, rows), for the S3 baselines' ranged GETs."""
+        from .s3baselines import arrow_batch_index
+
+        index = arrow_batch_index(self.data.text)
+        path = self.work / "text-batches.json"
+        path.write_text(json.dumps(index))
+        self.rep["text_record_batches"] = {
+            "files": len(index["files"]), "batches": len(index["batches"]),
+            "rows_per_batch": index["batches"][0][4] if index["batches"] else 0,
+            "mean_batch_bytes": float(np.mean([b[2] for b in index["batches"]]))}
+        return str(path)
+
+    def _condition(self, cond: Condition, todo: list[RealCase]) -> None:
+        """The cases of one storage condition, on one mount or S3 server."""
+        with open_storage(cond, self.data) as st:
+            about = self.rep["conditions"].setdefault(cond.name, {
                 "key": cond.key, "median_ms": cond.median_ms, "sigma": cond.sigma, "seed": cond.seed,
                 "mean_ms": 1000 * cond.mean_latency_s, "evict_every_s": cond.evict_every_s,
                 "eviction": st.eviction + (f", and again every {cond.evict_every_s:g} s during the case"
                                            if cond.evict_every_s else "")})
             if any(c.dataset == "shards" and c.system.kind == "croupier" for c in todo):
                 if cond.key == "s3":
-                    rep["conditions"][cond.name]["tar_index_s"] = _prepare_tar_index(
-                        st.croupier_path("shards"), ["--cache-dir", str(tar_cache)], log, say)
+                    about["tar_index_s"] = _prepare_tar_index(st.croupier_path("shards"),
+                                                              ["--cache-dir", str(self.tar_cache)], self.log, self.say)
                 elif cond.key == "fuse":  # beside the shards in the source folder (the mount is read-only)
-                    rep["conditions"][cond.name]["tar_index_s"] = _prepare_tar_index(str(data.shards), [], log, say)
+                    about["tar_index_s"] = _prepare_tar_index(str(self.data.shards), [], self.log, self.say)
             for rc in todo:
-                n_done += 1
-                what = f"{rc.dataset} | {cond.name} | {rc.system.label}" + (f" ({rc.role})" if rc.role != "measure" else "")
-                say(f"[{n_done}/{total}] {what} ...")
-                t = time.perf_counter()
-                prof = work / "profile.json" if rc.role == "profile" else None
-                run_as = suite if prof is None else replace(
-                    suite, max_seconds=suite.profile_seconds, max_batches=max(suite.max_batches, 4000),
-                    hard_seconds=max(suite.hard_seconds, suite.profile_seconds + 5))
-                try:
-                    r = run_real_case(run_as, rc, st, log, str(index_file), str(tar_cache), prof)
-                except Exception as exc:  # one failed case is reported; the suite carries on
-                    rep["errors"].append(f"{what}: {exc}")
-                    say(f"    failed: {exc}")
-                    continue
-                if prof is not None:
-                    try:
-                        summary = summarize_profile(json.loads(prof.read_text()), r["samples"])
-                    except (OSError, ValueError) as exc:
-                        rep["errors"].append(f"{what}: no profile written ({exc})")
-                        continue
-                    rep["profile"] = {"case": what, "samples_per_s": r["samples_per_s"], "samples": r["samples"],
-                                      "server_cpu_s_per_1k": r["server_cpu_s_per_1k"],
-                                      "server_threads_cpu_s": r["extra"].get("server_threads_cpu_s"), **summary}
-                    say(f"    profiled at {r['samples_per_s']:,.0f} samples/s; top (self CPU): "
-                        + ", ".join(f"{x['function']} {x['share']:.0%}" for x in summary["self"][:3]))
-                    continue
-                results.append(r)
-                rep["errors"] += [f"{what}: {w}" for w in r["extra"].get("warnings", [])]
-                s = r["storage"]
-                say(f"    {r['samples_per_s']:,.0f} samples/s, first batch {r['first_batch_s']:.2f} s"
-                    + (f", storage {_f(s.get('steady_reads_per_s'))} reads/s, {s['reads_per_sample']:.2f} reads and "
-                       f"{s['bytes_per_sample'] / 1024:,.1f} KB per sample, max {s['max_in_flight']:,.0f} in flight"
-                       if s.get("counted") else "")
-                    + f" ({time.perf_counter() - t:.1f} s)")
-    again = decode_rates(local, suite.decode_seconds)
-    rep["decode_rates_measured"] = {"start": rates, "end": again}
-    rep["decode_rates"] = rates = {k: max(v, again[k]) for k, v in rates.items()}
-    derive(results, rates, rep["machine"]["cores"])
-    rep["cases"] = results
-    if suite.targets:
-        rep["targets"] = check_targets(results)
-    rep["load"]["end"] = list(os.getloadavg())
-    if code_state() != rep["code"]:
-        rep["errors"].append(f"the code changed during the run: {rep['code']} at the start, {code_state()} at the end")
-    rep["wall_s"] = time.perf_counter() - t0
-    (out / f"{suite.name}.json").write_text(json.dumps(rep, indent=1, default=str))  # first: the figures are safe
-    made = realreport.plots(rep, out, suite.name)
-    (out / f"{suite.name}.md").write_text(realreport.markdown(rep, made))
-    shutil.rmtree(work, ignore_errors=True)
-    say(f"wrote {out / (suite.name + '.md')}, {out / (suite.name + '.json')} and {len(made)} plots "
-        f"in {rep['wall_s'] / 60:.1f} min")
-    for t in rep.get("targets", []):
-        say(f"  target {'met' if t['met'] else 'NOT met'}: {t['target']}: {t['detail']}")
-    return rep
+                self._case(rc, st)
+
+    def _case(self, rc: RealCase, st: StorageUnderTest) -> None:
+        suite, rep = self.suite, self.rep
+        self.done += 1
+        what = f"{rc.dataset} | {rc.condition.name} | {rc.system.label}" + (f" ({rc.role})" if rc.role != "measure" else "")
+        self.say(f"[{self.done}/{self.total}] {what} ...")
+        t = time.perf_counter()
+        prof = self.work / "profile.json" if rc.role == "profile" else None
+        run_as = suite if prof is None else replace(
+            suite, max_seconds=suite.profile_seconds, max_batches=max(suite.max_batches, 4000),
+            hard_seconds=max(suite.hard_seconds, suite.profile_seconds + 5))
+        r = attempt(rep, what, lambda: run_real_case(run_as, rc, st, self.log, self.index_file, str(self.tar_cache),
+                                                     prof), self.say)
+        if r is None:
+            return
+        if prof is not None:
+            self._profiled(what, r, prof)
+            return
+        self.results.append(r)
+        rep["errors"] += [f"{what}: {w}" for w in r["extra"].get("warnings", [])]
+        s = r["storage"]
+        self.say(f"    {r['samples_per_s']:,.0f} samples/s, first batch {r['first_batch_s']:.2f} s"
+                 + (f", storage {num(s.get('steady_reads_per_s'))} reads/s, {s['reads_per_sample']:.2f} reads and "
+                    f"{s['bytes_per_sample'] / 1024:,.1f} KB per sample, max {s['max_in_flight']:,.0f} in flight"
+                    if s.get("counted") else "")
+                 + f" ({time.perf_counter() - t:.1f} s)")
+
+    def _profiled(self, what: str, r: dict[str, Any], prof: Path) -> None:
+        """The profile run's summary into rep["profile"] (it is not a result of its own)."""
+        try:
+            summary = summarize_profile(json.loads(prof.read_text()), r["samples"])
+        except (OSError, ValueError) as exc:
+            self.rep["errors"].append(f"{what}: no profile written ({exc})")
+            return
+        self.rep["profile"] = {"case": what, "samples_per_s": r["samples_per_s"], "samples": r["samples"],
+                               "server_cpu_s_per_1k": r["server_cpu_s_per_1k"],
+                               "server_threads_cpu_s": r["extra"].get("server_threads_cpu_s"), **summary}
+        self.say(f"    profiled at {r['samples_per_s']:,.0f} samples/s; top (self CPU): "
+                 + ", ".join(f"{x['function']} {x['share']:.0%}" for x in summary["self"][:3]))
 
 
 def _prepare_tar_index(shards: str, flags: list[str], log: Path, say: Callable[[str], None]) -> float:
@@ -800,12 +805,3 @@ def _prepare_tar_index(shards: str, flags: list[str], log: Path, say: Callable[[
     took = time.perf_counter() - t
     say(f"croupier's tar index of {shards} ready in {took:.1f} s")
     return took
-
-
-def _git(*args: str) -> str:
-    try:
-        return subprocess.run(["git", *args], capture_output=True, text=True, timeout=10).stdout.strip() or "unknown"
-    except (OSError, subprocess.TimeoutExpired):
-        return "unknown"
-
-

@@ -5,13 +5,13 @@
 
 from __future__ import annotations
 
-import math
 import os
 import textwrap
 from pathlib import Path
 from typing import Any
 
 from .report import DATASET_TITLES, targets_table
+from .reporting import header_lines, num
 
 #: How each system reads, per storage condition: what the comparison is worth.
 HOW = {
@@ -31,10 +31,6 @@ HOW = {
 }
 
 
-def _f(x: Any, fmt: str = ",.0f") -> str:
-    return "-" if x is None or (isinstance(x, float) and (math.isnan(x) or math.isinf(x))) else format(x, fmt)
-
-
 def results_table(cases: list[dict[str, Any]], dataset: str) -> str:
     head = ("| storage | system | samples/s | first batch s | storage reads/s | reads / sample | KB / sample "
             "| max reads in flight | CPU s/1k samples (server) | storage CPU s/1k | peak RSS MB server / trainer "
@@ -48,7 +44,7 @@ def results_table(cases: list[dict[str, Any]], dataset: str) -> str:
         workers = f" (+{r['workers_private_rss_mb']:,.0f})" if r["workers_private_rss_mb"] else ""
         ceiling = "-"
         if r.get("ceiling_c_over_l") or r.get("ceiling_cpu"):
-            ceiling = f"{_f(r.get('ceiling_c_over_l'))}, {_f(r.get('ceiling_cpu'))}"
+            ceiling = f"{num(r.get('ceiling_c_over_l'))}, {num(r.get('ceiling_cpu'))}"
         frac = (f"{100 * r['fraction_of_ceiling']:.0f}% ({r['ceiling_binding']})"
                 if r.get("fraction_of_ceiling") is not None else "-")
         vs = r.get("vs_best_dataloader")
@@ -57,11 +53,11 @@ def results_table(cases: list[dict[str, Any]], dataset: str) -> str:
         else:
             vs_s = f"{vs:.2f}x" if vs is not None else "-"
         lines.append(
-            f"| {r['condition']['name']} | {r['label']} | {_f(r['samples_per_s'])} | {_f(r['first_batch_s'], '.2f')} "
-            f"| {_f(s.get('steady_reads_per_s'))} | {_f(s.get('reads_per_sample'), '.2f')} "
-            f"| {_f(s['bytes_per_sample'] / 1024 if s.get('counted') else None, ',.1f')} "
-            f"| {_f(s.get('max_in_flight'))} | {r['cpu_s_per_1k']:.3f}{server_cpu} | {_f(s.get('cpu_s_per_1k'), '.3f')} "
-            f"| {_f(r['server_peak_rss_mb'])} / {r['trainer_peak_rss_mb']:,.0f}{workers} | {ceiling} | {frac} | {vs_s} |")
+            f"| {r['condition']['name']} | {r['label']} | {num(r['samples_per_s'])} | {num(r['first_batch_s'], '.2f')} "
+            f"| {num(s.get('steady_reads_per_s'))} | {num(s.get('reads_per_sample'), '.2f')} "
+            f"| {num(s['bytes_per_sample'] / 1024 if s.get('counted') else None, ',.1f')} "
+            f"| {num(s.get('max_in_flight'))} | {r['cpu_s_per_1k']:.3f}{server_cpu} | {num(s.get('cpu_s_per_1k'), '.3f')} "
+            f"| {num(r['server_peak_rss_mb'])} / {r['trainer_peak_rss_mb']:,.0f}{workers} | {ceiling} | {frac} | {vs_s} |")
     return "\n".join(lines)
 
 
@@ -74,9 +70,9 @@ def ceilings_table(cases: list[dict[str, Any]]) -> str:
             continue
         ds = r["case"]["dataset"]
         seen[ds] = seen.get(ds, 0) + 1
-        lines.append(f"| {ds} | {'start' if seen[ds] == 1 else 'end'} | {_f(r['samples_per_s'])} "
-                     f"| {_f(r['first_batch_s'], '.2f')} | {r['cpu_s_per_1k']:.3f} ({_f(r['server_cpu_s_per_1k'], '.3f')}) "
-                     f"| {_f(r['server_peak_rss_mb'])} / {r['trainer_peak_rss_mb']:,.0f} |")
+        lines.append(f"| {ds} | {'start' if seen[ds] == 1 else 'end'} | {num(r['samples_per_s'])} "
+                     f"| {num(r['first_batch_s'], '.2f')} | {r['cpu_s_per_1k']:.3f} ({num(r['server_cpu_s_per_1k'], '.3f')}) "
+                     f"| {num(r['server_peak_rss_mb'])} / {r['trainer_peak_rss_mb']:,.0f} |")
     return "\n".join(lines)
 
 
@@ -100,9 +96,9 @@ def cpu_budget_table(cases: list[dict[str, Any]]) -> str:
         storage = (r.get("storage") or {}).get("cpu_s_per_1k") or 0.0
         total = server + trainers + storage
         target = 0.7 * r["ceiling"]
-        lines.append(f"| {r['case']['dataset']} | {r['condition']['name']} | {_f(r['samples_per_s'])} | {loop:.3f} | "
+        lines.append(f"| {r['case']['dataset']} | {r['condition']['name']} | {num(r['samples_per_s'])} | {loop:.3f} | "
                      f"{reads:.3f} | {other:.3f} | {trainers:.3f} | {storage:.3f} | "
-                     f"{r['samples_per_s'] * total / 1000:.2f} | {_f(target)} | {target * total / 1000:.2f} |")
+                     f"{r['samples_per_s'] * total / 1000:.2f} | {num(target)} | {target * total / 1000:.2f} |")
     return "\n".join(lines)
 
 
@@ -127,10 +123,10 @@ def glance_table(cases: list[dict[str, Any]]) -> str:
                 if cr.get("fraction_of_ceiling") is not None else "-"
             name = b["label"].replace("DataLoader + DistributedSampler, ", "DataLoader ")
             hf_s = f"{hf['samples_per_s']:,.0f} ({hf['first_batch_s']:.1f})" if hf else "-"
-            lines.append(f"| {ds} | {cond} | {_f(cr['samples_per_s'])} | {frac} | {_f(b['samples_per_s'])} ({name}) "
+            lines.append(f"| {ds} | {cond} | {num(cr['samples_per_s'])} | {frac} | {num(b['samples_per_s'])} ({name}) "
                          f"| {cr['samples_per_s'] / max(b['samples_per_s'], 1e-9):.1f}x "
-                         f"| {_f(cr['storage'].get('reads_per_sample'), '.2f')} vs "
-                         f"{_f(b['storage'].get('reads_per_sample'), '.2f')} | {hf_s} |")
+                         f"| {num(cr['storage'].get('reads_per_sample'), '.2f')} vs "
+                         f"{num(b['storage'].get('reads_per_sample'), '.2f')} | {hf_s} |")
     return "\n".join(lines)
 
 
@@ -251,21 +247,13 @@ def _best_dl(cases: list[dict[str, Any]], ds: str, cold: bool) -> dict[str, Any]
 
 
 def markdown(rep: dict[str, Any], plots: list[str]) -> str:
-    m = rep["machine"]
+    cores = rep["machine"]["cores"]
     spec = rep["data"]
-    load = rep["load"]
     conds = rep.get("conditions", {})
     lines = [
         f"# croupier bench: suite `{rep['suite']}` (really slow storage)",
         "",
-        f"Command: `{rep['command']}`  ",
-        f"Run: {rep['started']}, {rep['wall_s'] / 60:.1f} min wall; revision {rep.get('revision', '?')} "
-        f"(`git rev-parse HEAD`); code: {rep.get('code', '?')}  ",
-        f"Machine: {m['cpu']}, {m['cores']} cores, {m['memory_gb']:.0f} GiB, {m['os']}; Python {m['python']}, "
-        f"torch {m['torch']}, grpcio {m['grpcio']}, pyarrow {m['pyarrow']}  ",
-        f"Load average (1, 5, 15 min) at start {', '.join(f'{x:.2f}' for x in load['start'])}; at end "
-        f"{', '.join(f'{x:.2f}' for x in load['end'])} (the machine is shared).",
-        "",
+        *header_lines(rep),
         f"Data: {spec['text_rows']:,} text rows (id, label, {spec['text_words']} words, {spec['tokens']} int32 tokens: "
         f"about 1 KB each) written by `datasets` save_to_disk"
         + (f" ({rep['text_record_batches']['files']} Arrow stream files, record batches of "
@@ -339,7 +327,7 @@ def markdown(rep: dict[str, Any], plots: list[str]) -> str:
         f"Decode ceiling (images): one core's decode rate with croupier's client decoder (simplejpeg for JPEGs; "
         f"the DataLoader baselines decode with Pillow, as torchvision does), the better of a measurement at the "
         f"start and the end "
-        f"({', '.join(f'{k} {v:,.0f}/s' for k, v in rep['decode_rates'].items())}), times {m['cores']} cores.",
+        f"({', '.join(f'{k} {v:,.0f}/s' for k, v in rep['decode_rates'].items())}), times {cores} cores.",
         "",
     ]
     if rep.get("targets"):
@@ -354,7 +342,6 @@ def markdown(rep: dict[str, Any], plots: list[str]) -> str:
             lines += [f"## {title}", "", results_table(rep["cases"], ds), ""]
     if any(r["role"] == "cpu ceiling" for r in rep["cases"]):
         lines += ["## CPU ceiling: croupier unordered on page-cache files", "", ceilings_table(rep["cases"]), ""]
-        cores = (rep.get("machine") or {}).get("cores") or os.cpu_count()
         lines += ["## Where the CPU goes, case by case", "",
                   "CPU seconds per 1,000 samples delivered, over the whole case: croupier's server by thread (read "
                   "threads: the native pool's blocking preads, or obstore's Tokio threads), the trainers with their "
@@ -379,13 +366,13 @@ def markdown(rep: dict[str, Any], plots: list[str]) -> str:
 def plots(rep: dict[str, Any], out: Path, stem: str) -> list[str]:
     """real-throughput.png: samples/s per system, per dataset and storage (log); real-amplification.png:
     storage reads and KB per delivered sample (log)."""
-    from .plots import _pyplot, _save
+    from .plots import pyplot, save
 
     cases = [r for r in rep.get("cases", []) if r["role"] == "measure"]
     datasets = [d for d in DATASET_TITLES if any(r["case"]["dataset"] == d for r in cases)]
     if not datasets:
         return []
-    plt = _pyplot()
+    plt = pyplot()
     made = []
     for name, rows_spec in (
         ("throughput", [("samples/s (log)", lambda r: r["samples_per_s"])]),
@@ -419,7 +406,7 @@ def plots(rep: dict[str, Any], out: Path, stem: str) -> list[str]:
             handles, labels = axes[0][col].get_legend_handles_labels()
             axes[-1][col].legend(handles, labels, fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=1)
         fig.suptitle(f"croupier bench ({rep['suite']}): real slow storage, {rep['world']} ranks, batch {rep['batch']}")
-        made.append(str(_save(fig, out / f"{stem}-{name}.png")))
+        made.append(str(save(fig, out / f"{stem}-{name}.png")))
     return made
 
 

@@ -9,10 +9,7 @@ crashes, H hangs", as the tests assert them at smaller sizes.
 from __future__ import annotations
 
 import asyncio
-import json
-import os
 import tempfile
-import time
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
@@ -20,7 +17,8 @@ from typing import Any
 
 from . import abuse, faults
 from .fuzz import fuzz
-from .run import code_state, machine
+from .driver import drive
+from .reporting import header_lines
 
 
 def _fuzz_section(workdir: Path, count: int, say: Callable[[str], None]) -> dict[str, Any]:
@@ -77,55 +75,57 @@ def _case_tests(say: Callable[[str], None]) -> dict[str, Any]:
 def run_reliability(out: Path, command: str, say: Callable[[str], None] = print, *, fuzz_requests: int = 10_000,
                     replica_kills: int = 20, cuts: int = 20, trainer_kills: int = 10,
                     abuse_streams: int = 2000) -> dict[str, Any]:
-    rep: dict[str, Any] = {"suite": "reliability", "command": command, "machine": machine(), "code": code_state(),
-                           "load": {"start": list(os.getloadavg())}, "started": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
-    with tempfile.TemporaryDirectory(prefix="croupier-reliability-") as tmp:
-        work = Path(tmp)
-        say(f"fuzzing {fuzz_requests:,} requests")
-        rep["fuzz"] = _fuzz_section(work / "fuzz", fuzz_requests, say)
-        rep["faults"] = []
-        for name, run in (
-            ("replica", lambda: faults.replica_churn(work / "replica", kills=replica_kills, seed=1, rows=6000,
-                                                     log=lambda s: say("  " + s))),
-            ("cuts", lambda: faults.connection_cuts(work / "cuts", cuts=cuts, seed=2, rows=6000,
-                                                    log=lambda s: say("  " + s))),
-            ("trainer", lambda: faults.trainer_kills(work / "trainer", kills=trainer_kills, seed=3, rows=6000,
-                                                     log=lambda s: say("  " + s))),
-        ):
-            say(f"faults: {name}")
-            result = run()
-            say("  " + result.summary())
-            rep["faults"].append({"name": name, **{k: getattr(result, k) for k in (
-                "what", "faults", "expected", "delivered", "lost", "duplicated", "reconnects", "seconds")}})
-        rep["abuse"] = []
-        for label, flags in (("default limits", ()),
-                             ("limits raised to admit them all", ("--max-streams-per-client", "5000",
-                                                                  "--max-streams-per-connection", "5000",
-                                                                  "--max-streams", "5000"))):
-            say(f"abuse: {abuse_streams:,} stalled streams, {label}")
-            rep["abuse"].append({"label": label, **abuse.stalled_streams(
-                work / "abuse", attempts=abuse_streams, log=say, extra_args=flags)})
-        say("confinement and corrupt data: their test cases")
-        rep["cases"] = _case_tests(say)
-    rep["load"]["end"] = list(os.getloadavg())
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "reliability.json").write_text(json.dumps(rep, indent=1, default=str))
-    (out / "reliability.md").write_text(markdown(rep))
-    say(f"wrote {out / 'reliability.md'} and {out / 'reliability.json'}")
-    return rep
+    """Runs the report's sections at these sizes and writes reliability.json and .md under `out`."""
+
+    def measure(rep: dict[str, Any]) -> None:
+        with tempfile.TemporaryDirectory(prefix="croupier-reliability-") as tmp:
+            work = Path(tmp)
+            say(f"fuzzing {fuzz_requests:,} requests")
+            rep["fuzz"] = _fuzz_section(work / "fuzz", fuzz_requests, say)
+            rep["faults"] = _faults_section(work, say, replica_kills, cuts, trainer_kills)
+            rep["abuse"] = _abuse_section(work / "abuse", say, abuse_streams)
+            say("confinement and corrupt data: their test cases")
+            rep["cases"] = _case_tests(say)
+
+    return drive("reliability", out, command, measure, lambda rep, _plots: markdown(rep), say=say)
+
+
+def _faults_section(work: Path, say: Callable[[str], None], replica_kills: int, cuts: int,
+                    trainer_kills: int) -> list[dict[str, Any]]:
+    out = []
+    for name, run in (
+        ("replica", lambda: faults.replica_churn(work / "replica", kills=replica_kills, seed=1, rows=6000,
+                                                 log=lambda s: say("  " + s))),
+        ("cuts", lambda: faults.connection_cuts(work / "cuts", cuts=cuts, seed=2, rows=6000,
+                                                log=lambda s: say("  " + s))),
+        ("trainer", lambda: faults.trainer_kills(work / "trainer", kills=trainer_kills, seed=3, rows=6000,
+                                                 log=lambda s: say("  " + s))),
+    ):
+        say(f"faults: {name}")
+        result = run()
+        say("  " + result.summary())
+        out.append({"name": name, **{k: getattr(result, k) for k in (
+            "what", "faults", "expected", "delivered", "lost", "duplicated", "reconnects", "seconds")}})
+    return out
+
+
+def _abuse_section(work: Path, say: Callable[[str], None], streams: int) -> list[dict[str, Any]]:
+    out = []
+    for label, flags in (("default limits", ()),
+                         ("limits raised to admit them all", ("--max-streams-per-client", "5000",
+                                                              "--max-streams-per-connection", "5000",
+                                                              "--max-streams", "5000"))):
+        say(f"abuse: {streams:,} stalled streams, {label}")
+        out.append({"label": label, **abuse.stalled_streams(work, attempts=streams, log=say, extra_args=flags)})
+    return out
 
 
 def markdown(rep: dict[str, Any]) -> str:
-    f, m = rep["fuzz"], rep["machine"]
+    f = rep["fuzz"]
     lines = [
         "# Reliability report",
         "",
-        f"Command: `{rep['command']}`  ",
-        f"Code: {rep['code']}; started {rep['started']}; load average {rep['load']['start'][0]:.2f} at start, "
-        f"{rep['load']['end'][0]:.2f} at end  ",
-        f"Machine: {m['cpu']}, {m['cores']} cores, {m['memory_gb']:.0f} GiB; Python {m['python']}, "
-        f"grpcio {m['grpcio']}, torch {m['torch']}",
-        "",
+        *header_lines(rep),
         "Every server here is a real `croupier serve` process on 127.0.0.1; every trainer a real `Loader`.",
         "",
         "## Figures",

@@ -6,6 +6,8 @@ import math
 import os
 from typing import Any
 
+from .reporting import header_lines, num, target
+
 DATASET_TITLES = {
     "text": "text rows (Hugging Face save_to_disk, Arrow)",
     "imagefolder": "images, ImageFolder (one JPEG file per sample)",
@@ -73,11 +75,6 @@ def _best_dl(results: list[dict[str, Any]], dataset: str, storage: str) -> dict[
     return max(dls, key=lambda r: r["samples_per_s"]) if dls else None
 
 
-def _target(name: str, measured: float | None, want: float, detail: str) -> dict[str, Any]:
-    return {"target": name, "measured": None if measured is None else float(measured), "want": want,
-            "met": bool(measured is not None and measured >= want), "detail": detail}  # numpy bools are no JSON
-
-
 def check_targets(kind: str, results: list[dict[str, Any]]) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
     datasets = ("text",) if kind == "first" else ("text", "imagefolder")
@@ -89,31 +86,27 @@ def check_targets(kind: str, results: list[dict[str, Any]]) -> list[dict[str, An
             if cr is None or dl is None:
                 continue
             dl_name = dl["case"]["system"]["label"]
-            out.append(_target(f"{ds}, {st}: unordered >= 10x best DataLoader", cr["samples_per_s"] / dl["samples_per_s"],
-                               10.0, f"{cr['samples_per_s']:,.0f} vs {dl['samples_per_s']:,.0f} samples/s ({dl_name}); "
-                                     f"CPU s/1k {cr['cpu_s_per_1k']:.3f} vs {dl['cpu_s_per_1k']:.3f}"))
+            out.append(target(f"{ds}, {st}: unordered >= 10x best DataLoader", cr["samples_per_s"] / dl["samples_per_s"],
+                              10.0, f"{cr['samples_per_s']:,.0f} vs {dl['samples_per_s']:,.0f} samples/s ({dl_name}); "
+                                    f"CPU s/1k {cr['cpu_s_per_1k']:.3f} vs {dl['cpu_s_per_1k']:.3f}"))
             if kind == "first":
                 io = cr["ceiling_c_over_l"]
-                out.append(_target(f"{ds}, {st}: unordered >= 0.5 of C/L", cr["samples_per_s"] / io, 0.5,
-                                   f"{cr['samples_per_s']:,.0f} of C/L = {cr['reads_in_flight']} / "
-                                   f"{cr['case']['storage']['latency_ms'] * math.exp(0.125):.2f} ms = {io:,.0f}"))
+                out.append(target(f"{ds}, {st}: unordered >= 0.5 of C/L", cr["samples_per_s"] / io, 0.5,
+                                  f"{cr['samples_per_s']:,.0f} of C/L = {cr['reads_in_flight']} / "
+                                  f"{cr['case']['storage']['latency_ms'] * math.exp(0.125):.2f} ms = {io:,.0f}"))
             else:
-                out.append(_target(f"{ds}, {st}: unordered >= 0.7 of ceiling", cr["fraction_of_ceiling"], 0.7,
-                                   f"{cr['samples_per_s']:,.0f} of {cr['ceiling']:,.0f} samples/s ({cr['ceiling_binding']}"
-                                   f"; C/L {cr['ceiling_c_over_l']:,.0f}, decode {cr['ceiling_decode']:,.0f}, "
-                                   f"CPU {_f(cr['ceiling_cpu'])})"))
+                out.append(target(f"{ds}, {st}: unordered >= 0.7 of ceiling", cr["fraction_of_ceiling"], 0.7,
+                                  f"{cr['samples_per_s']:,.0f} of {cr['ceiling']:,.0f} samples/s ({cr['ceiling_binding']}"
+                                  f"; C/L {cr['ceiling_c_over_l']:,.0f}, decode {cr['ceiling_decode']:,.0f}, "
+                                  f"CPU {num(cr['ceiling_cpu'])})"))
         cr = _find(results, ds, "page cache", "croupier unordered")
         dl = _best_dl(results, ds, "page cache")
         if cr is not None and dl is not None:
-            out.append(_target(f"{ds}, page cache: unordered not slower than best DataLoader",
-                               cr["samples_per_s"] / dl["samples_per_s"], 1.0,
-                               f"{cr['samples_per_s']:,.0f} vs {dl['samples_per_s']:,.0f} samples/s "
-                               f"({dl['case']['system']['label']})"))
+            out.append(target(f"{ds}, page cache: unordered not slower than best DataLoader",
+                              cr["samples_per_s"] / dl["samples_per_s"], 1.0,
+                              f"{cr['samples_per_s']:,.0f} vs {dl['samples_per_s']:,.0f} samples/s "
+                              f"({dl['case']['system']['label']})"))
     return out
-
-
-def _f(x: float | None, fmt: str = ",.0f") -> str:
-    return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, fmt)
 
 
 def results_table(results: list[dict[str, Any]], dataset: str) -> str:
@@ -130,16 +123,16 @@ def results_table(results: list[dict[str, Any]], dataset: str) -> str:
                          f"failed: {r['error'][:80]} |" + " |" * 12)
             continue
         server_cpu = f" ({r['server_cpu_s_per_1k']:.3f})" if r["server_cpu_s_per_1k"] is not None else ""
-        server_rss = _f(r["server_peak_rss_mb"])
+        server_rss = num(r["server_peak_rss_mb"])
         workers = f" (+{r['workers_private_rss_mb']:,.0f})" if r["workers_private_rss_mb"] else ""
         lines.append(
             f"| {c['storage']['name']} | {c['system']['label']} | {c['system']['shuffle']} "
-            f"| {_f(r['samples_per_s'])} | {_f(r['mb_per_s'], '.1f')} | {_f(r['first_batch_s'], '.2f')} "
-            f"| {_f(r['batch_p50_ms'], '.1f')} | {_f(r['batch_p99_ms'], '.1f')} "
+            f"| {num(r['samples_per_s'])} | {num(r['mb_per_s'], '.1f')} | {num(r['first_batch_s'], '.2f')} "
+            f"| {num(r['batch_p50_ms'], '.1f')} | {num(r['batch_p99_ms'], '.1f')} "
             f"| {r['cpu_s_per_1k']:.3f}{server_cpu} | {server_rss} / {r['trainer_peak_rss_mb']:,.0f}{workers} "
-            f"| {r['reads_in_flight']} | {_f(r['ceiling_c_over_l'])} | {_f(r['ceiling_decode'])} "
-            f"| {_f(r['ceiling_cpu'])} | {_f(100 * r['fraction_of_ceiling'], '.0f')}% ({r['ceiling_binding']}) "
-            f"| {_f(r['vs_best_baseline'], '.2f')}{'x' if r['vs_best_baseline'] else ''} |"
+            f"| {r['reads_in_flight']} | {num(r['ceiling_c_over_l'])} | {num(r['ceiling_decode'])} "
+            f"| {num(r['ceiling_cpu'])} | {num(100 * r['fraction_of_ceiling'], '.0f')}% ({r['ceiling_binding']}) "
+            f"| {num(r['vs_best_baseline'], '.2f')}{'x' if r['vs_best_baseline'] else ''} |"
         )
     return "\n".join(lines)
 
@@ -147,7 +140,7 @@ def results_table(results: list[dict[str, Any]], dataset: str) -> str:
 def targets_table(targets: list[dict[str, Any]]) -> str:
     lines = ["| target | measured | met | detail |", "|---|---|---|---|"]
     for t in targets:
-        lines.append(f"| {t['target']} | {_f(t['measured'], '.2f')} | {'yes' if t['met'] else '**no**'} | {t['detail']} |")
+        lines.append(f"| {t['target']} | {num(t['measured'], '.2f')} | {'yes' if t['met'] else '**no**'} | {t['detail']} |")
     return "\n".join(lines)
 
 
@@ -172,24 +165,18 @@ def curve_tables(curves: dict[str, Any]) -> list[str]:
         if not curves.get(name):
             continue
         out += ["| " + " | ".join(title for title, _, _ in columns) + " |", "|---" * len(columns) + "|"]
-        out += ["| " + " | ".join(_f(p[key], fmt) for _, key, fmt in columns) + " |" for p in curves[name]]
+        out += ["| " + " | ".join(num(p[key], fmt) for _, key, fmt in columns) + " |" for p in curves[name]]
         out.append("")
     return out
 
 
 def markdown(report: dict[str, Any], plots: list[str]) -> str:
-    m = report["machine"]
+    cores = report["machine"]["cores"]
     spec = report["data"]
     lines = [
         f"# croupier bench: suite `{report['suite']}`",
         "",
-        f"Command: `{report['command']}`  ",
-        f"Run: {report['started']}, {report['wall_s'] / 60:.1f} min wall; code: {report.get('code', '?')}  ",
-        f"Machine: {m['cpu']}, {m['cores']} cores, {m['memory_gb']:.0f} GiB, {m['os']}; Python {m['python']}, "
-        f"torch {m['torch']}, grpcio {m['grpcio']}, pyarrow {m['pyarrow']}  ",
-        f"Load average (1 min) at start {report['load']['start'][0]:.2f}, at end {report['load']['end'][0]:.2f}: "
-        "the machine is shared, so other processes may have taken CPU during the run.",
-        "",
+        *header_lines(report),
         f"Data: {spec['text_rows']:,} text rows ({spec['text_words']} words, {spec['tokens']} int32 tokens each) "
         f"written by `datasets` save_to_disk; {spec['images']:,} {spec['image_size']}x{spec['image_size']} RGB JPEGs "
         f"as an ImageFolder tree and as tar shards of {spec['shard_size']:,}. Batch {report['batch']}, "
@@ -211,7 +198,7 @@ def markdown(report: dict[str, Any], plots: list[str]) -> str:
         "(server alone in brackets). C: reads in flight over all ranks; C/L its ceiling with mean latency L; "
         f"decode ceiling: one core's measured decode rate, the better of a measurement at the start and one at the end "
         f"({', '.join(f'{k} {v:,.0f}/s' for k, v in report['decode_rates'].items())}) "
-        f"times {m['cores']} cores; CPU ceiling (cases with injected latency): the same system with nothing to wait "
+        f"times {cores} cores; CPU ceiling (cases with injected latency): the same system with nothing to wait "
         "for on this machine (croupier: its unordered path with 0 ms injected, the better of a run at the start "
         "and one at the end; others: their page-cache case); "
         "of ceiling: samples/s over the smallest of the three, which is named. "

@@ -1,6 +1,6 @@
 """Peak memory per rank and step time of RTP vs DDP vs FSDP2, on CPU with gloo, in one run.
 
-    python bench/rtp_memory.py --out bench/results/rtp_memory.md
+    python -m croupier.bench.rtp_memory --out bench/results/rtp_memory.md
 
 For each world size N and each engine, N fresh processes (one per rank, env:// on a
 loopback port, as torchrun would) build the same GPT-2-small-shaped model, wrap it
@@ -30,6 +30,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +38,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+
+from .driver import drive
+from .reporting import header_lines
 
 ENGINES = ("ddp", "fsdp2", "rtp")
 SETTINGS = ("steps", "warmup", "seq", "micro_batch", "layers")
@@ -169,7 +173,7 @@ def run_config(engine: str, world: int, args: argparse.Namespace, tmp: Path) -> 
         env = {**os.environ, "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": str(world),
                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "MALLOC_MMAP_THRESHOLD_": str(128 * 1024),
                "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // world))}
-        cmd = [sys.executable, __file__, "--worker", "--engine", engine, "--result", str(result),
+        cmd = [sys.executable, "-m", "croupier.bench.rtp_memory", "--worker", "--engine", engine, "--result", str(result),
                "--steps", str(args.steps), "--warmup", str(args.warmup), "--seq", str(args.seq),
                "--micro-batch", str(args.micro_batch), "--layers", str(args.layers)]
         procs.append(subprocess.Popen(cmd, env=env))
@@ -181,20 +185,20 @@ def run_config(engine: str, world: int, args: argparse.Namespace, tmp: Path) -> 
     return json.loads(result.read_text())
 
 
-def report(rows: list[dict[str, Any]], args: argparse.Namespace, command: str) -> str:
+def report(rep: dict[str, Any], plots: Sequence[str] = ()) -> str:
+    """The Markdown of a run (`rep`: its header, "settings" and "rows")."""
+    rows, args = rep["rows"], argparse.Namespace(**rep["settings"])
+    cores = rep.get("machine", {}).get("cores", os.cpu_count())
     n_params = rows[0]["ranks"][0]["n_params"]
     whole_mib = n_params * 16 / 2**20  # fp32 parameter + gradient + AdamW's two moments
     lines = [
         "# RTP memory and step time vs DDP and FSDP2 (CPU, gloo)",
         "",
-        "Produced by:",
-        "",
-        f"    {command}",
-        "",
+        *header_lines(rep),
         f"Model: GPT-2-small shape ({n_params / 1e6:.1f} M parameters: 50257 x 768 tied embedding/head, "
         f"{args.layers} blocks of nn.MultiheadAttention with 12 heads, 4x MLP), fp32, AdamW; "
         f"{args.micro_batch} x {args.seq} tokens per rank per step; {args.warmup} warm-up + {args.steps} "
-        f"measured steps (median). Machine: {os.cpu_count()} CPU cores shared by all ranks "
+        f"measured steps (median). Machine: {cores} CPU cores shared by all ranks "
         "(threads per rank = cores // N), loopback gloo. Whole model state (parameters + gradients + "
         f"AdamW moments) = {whole_mib:.0f} MiB.",
         "",
@@ -206,15 +210,15 @@ def report(rows: list[dict[str, Any]], args: argparse.Namespace, command: str) -
         "largest unit that rotates; layers above the default `chunk_bytes` of 16 MiB, here the 50257 x 768 "
         "embedding/head, rotate in slices), part of the RSS while a layer rotates.",
         "",
-        f"Load average of the machine (1 min) at the start and end of the run: {args.load[0]:.1f} and "
-        f"{args.load[1]:.1f}. Other jobs shared these 2 cores, so step times carry that noise; memory "
+        "Other jobs shared these cores (the load average above), so step times carry that noise; memory "
         "figures do not depend on it.",
         "",
         "| N | engine | step time (s) | vs DDP | peak RSS (MiB) | above bare (MiB) | model state (MiB) "
         "| whole state / N (MiB) | ring buffers (MiB) |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
-    for world in args.ranks:
+    worlds = list(dict.fromkeys(r["world"] for r in rows))
+    for world in worlds:
         ddp = next(r for r in rows if r["engine"] == "ddp" and r["world"] == world)
         ddp_time = max(x["step_s"] for x in ddp["ranks"])
         for row in (r for r in rows if r["world"] == world):
@@ -225,7 +229,7 @@ def report(rows: list[dict[str, Any]], args: argparse.Namespace, command: str) -
                 f"{max(x['peak_mib'] for x in rk):.0f} | {max(x['peak_mib'] - x['base_mib'] for x in rk):.0f} | "
                 f"{max(x['state_mib'] for x in rk):.0f} | {whole_mib / world:.0f} | {max(x['ring_mib'] for x in rk):.0f} |")
     lines += [""]
-    for world in args.ranks:
+    for world in worlds:
         by = {r["engine"]: r for r in rows if r["world"] == world}
         if not {"rtp", "fsdp2"} <= by.keys():
             continue
@@ -234,7 +238,7 @@ def report(rows: list[dict[str, Any]], args: argparse.Namespace, command: str) -
                      f"{above['rtp'] / above['fsdp2']:.0%} of FSDP2's and {above['rtp'] / (whole_mib / world):.2f}x "
                      f"the whole model state / N ({whole_mib / world:.0f} MiB); the rest is activations, optimizer "
                      "temporaries and ring buffers.")
-    for world in args.ranks:
+    for world in worlds:
         losses = {r["engine"]: [x["loss"] for x in r["ranks"]] for r in rows if r["world"] == world}
         if len(losses) > 1:
             spread = max(abs(a - b) for ls in zip(*losses.values()) for a in ls for b in ls)
@@ -245,8 +249,9 @@ def report(rows: list[dict[str, Any]], args: argparse.Namespace, command: str) -
     return "\n".join(lines)
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m croupier.bench.rtp_memory", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
     p.add_argument("--engines", nargs="+", default=list(ENGINES), choices=ENGINES)
     p.add_argument("--steps", type=int, default=3)
@@ -255,45 +260,51 @@ def main() -> None:
     p.add_argument("--micro-batch", type=int, default=2)
     p.add_argument("--layers", type=int, default=12)
     p.add_argument("--timeout", type=float, default=900.0, help="per engine and N, seconds")
-    p.add_argument("--out", type=Path, default=Path("bench/results/rtp_memory.md"))
+    p.add_argument("--out", type=Path, default=Path("bench/results/rtp_memory.md"),
+                   help="the Markdown report (its JSON beside it, named alike)")
     p.add_argument("--render", type=Path, help="rewrite --out from a JSON this script saved, without measuring")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--engine", choices=ENGINES, help=argparse.SUPPRESS)
     p.add_argument("--result", help=argparse.SUPPRESS)
-    args = p.parse_args()
+    args = p.parse_args(argv)
     if args.worker:
         worker(args)
         return
     if args.render:
-        saved = json.loads(args.render.read_text())
-        args.load = tuple(saved["load_average"])
-        for k, v in saved.get("settings", {}).items():  # older files: the run used the defaults
-            setattr(args, k, v)
-        args.ranks = sorted({r["world"] for r in saved["rows"]})
-        args.out.write_text(report(saved["rows"], args, saved["command"]))
+        args.out.write_text(report(_saved(json.loads(args.render.read_text()))))
         return
-    command = "python " + " ".join([os.path.relpath(__file__)] + sys.argv[1:])
-    tmp = args.out.parent / ".rtp_bench_tmp"
-    tmp.mkdir(parents=True, exist_ok=True)
-    rows = []
-    load_start = os.getloadavg()[0]
-    for world in args.ranks:
-        for engine in args.engines:
-            t0 = time.monotonic()
-            ranks = run_config(engine, world, args, tmp)
-            rows.append({"engine": engine, "world": world, "ranks": ranks})
-            print(f"{engine} N={world}: step {max(r['step_s'] for r in ranks):.2f} s, peak RSS "
-                  f"{max(r['peak_mib'] for r in ranks):.0f} MiB ({time.monotonic() - t0:.0f} s)", flush=True)
-    args.load = (load_start, os.getloadavg()[0])
-    for f in tmp.iterdir():
-        f.unlink()
-    tmp.rmdir()
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(report(rows, args, command))
-    settings = {k: getattr(args, k) for k in SETTINGS}
-    args.out.with_suffix(".json").write_text(json.dumps({"command": command, "load_average": args.load,
-                                                         "settings": settings, "rows": rows}, indent=1))
+    command = " ".join(["python -m croupier.bench.rtp_memory", *(sys.argv[1:] if argv is None else argv)])
+
+    def measure(rep: dict[str, Any]) -> None:
+        rep["settings"] = {k: getattr(args, k) for k in SETTINGS}
+        tmp = args.out.parent / ".rtp_bench_tmp"
+        tmp.mkdir(parents=True, exist_ok=True)
+        rep["rows"] = []
+        for world in args.ranks:
+            for engine in args.engines:
+                t0 = time.monotonic()
+                ranks = run_config(engine, world, args, tmp)
+                rep["rows"].append({"engine": engine, "world": world, "ranks": ranks})
+                print(f"{engine} N={world}: step {max(r['step_s'] for r in ranks):.2f} s, peak RSS "
+                      f"{max(r['peak_mib'] for r in ranks):.0f} MiB ({time.monotonic() - t0:.0f} s)", flush=True)
+        for f in tmp.iterdir():
+            f.unlink()
+        tmp.rmdir()
+
+    drive(args.out.stem, args.out.parent, command, measure, report)
     print(args.out.read_text())
+
+
+def _saved(saved: dict[str, Any]) -> dict[str, Any]:
+    """A JSON this script saved, as `report` reads it: files before the shared header kept the
+    1-minute load average at the start and end as "load_average", and no settings where the run
+    used the defaults."""
+    if "load_average" in saved:
+        start, end = saved.pop("load_average")
+        saved["load"] = {"start": [start], "end": [end]}
+    defaults = {"steps": 3, "warmup": 1, "seq": 128, "micro_batch": 2, "layers": 12}
+    saved["settings"] = {**defaults, **saved.get("settings", {})}
+    return saved
 
 
 if __name__ == "__main__":

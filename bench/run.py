@@ -1,11 +1,9 @@
-"""Run a suite end to end: data, decode ceiling, cases, curves, shuffle quality, outputs."""
+"""The matrix suites (full, first, quick: suites.py) end to end: data, decode ceiling, cases,
+curves, shuffle quality, targets; report.py writes their Markdown and plots.py their plots."""
 
 from __future__ import annotations
 
-import datetime
-import json
-import os
-import platform
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import asdict
@@ -14,112 +12,74 @@ from typing import Any
 
 from . import curves as curves_mod
 from . import plots, report
-from .cases import run_case
+from .cases import Case, run_case
 from .datagen import ensure_data
-from .decode import decode_rates
-from .suites import Suite
-
-
-def machine() -> dict[str, Any]:
-    import grpc
-    import pyarrow
-    import torch
-
-    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
-               platform.processor())
-    mem_kb = next(int(line.split()[1]) for line in open("/proc/meminfo") if line.startswith("MemTotal"))
-    return {"cpu": cpu, "cores": os.cpu_count() or 1, "memory_gb": mem_kb / 2**20,
-            "os": f"{platform.system()} {platform.release()}", "python": platform.python_version(),
-            "torch": torch.__version__, "grpcio": grpc.__version__, "pyarrow": pyarrow.__version__}
-
-
-def code_state() -> str:
-    """The commit measured, and which code paths had uncommitted changes (shared checkouts)."""
-    import subprocess
-
-    def git(*args: str) -> str:
-        try:
-            return subprocess.run(["git", *args], capture_output=True, text=True, timeout=10).stdout
-        except (OSError, subprocess.TimeoutExpired):
-            return ""
-
-    head = git("rev-parse", "--short", "HEAD").strip() or "unknown"
-    status = git("status", "--porcelain", "--untracked-files=no", "--", "server", "client", "croupier", "protos")
-    dirty = [line[3:] for line in status.splitlines() if line.strip()]
-    return head + (f" with uncommitted changes in {', '.join(dirty)}" if dirty else "")
+from .decode import DecodeCeiling
+from .driver import Report, attempt, drive
+from .suites import Curves, Suite
 
 
 def run_suite(suite: Suite, out: Path, data_dir: Path, command: str, say: Callable[[str], None] = print,
-              only: str = "") -> dict[str, Any]:
-    t0 = time.perf_counter()
-    out.mkdir(parents=True, exist_ok=True)
-    import tempfile
+              only: str = "") -> Report:
+    """Runs `suite` (only the cases whose "dataset storage system" contains `only`, and then no
+    curves) and writes `<suite>.json`, `.md` and the plots under `out`."""
+    return drive(suite.name, out, command, lambda rep: measure(suite, rep, data_dir, say, only),
+                 report.markdown, plots.all_plots, say)
 
+
+def measure(suite: Suite, rep: Report, data_dir: Path, say: Callable[[str], None], only: str = "") -> None:
+    """The suite's figures into `rep`: its cases (ceilings and comparisons derived), and unless
+    `only` narrows the cases, its curves and shuffle quality; then its targets."""
     log = Path(tempfile.gettempdir()) / f"croupier-bench-{suite.name}-server.log"  # not a result: kept out of `out`
     log.write_text("")
-    rep: dict[str, Any] = {
-        "suite": suite.name, "command": command, "machine": machine(), "code": code_state(),
-        "started": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "load": {"start": list(os.getloadavg())}, "data": asdict(suite.data),
-        "batch": suite.cases[0].batch if suite.cases else 64, "world": suite.cases[0].world if suite.cases else 2,
-        "errors": [],
-    }
-    data = ensure_data(data_dir, suite.data, log=say)
-    paths = data.paths()
-    rates = decode_rates(paths, suite.decode_seconds)
-    say("decode rate, one core: " + ", ".join(f"{k} {v:,.0f} samples/s" for k, v in rates.items()))
+    rep.update(data=asdict(suite.data), batch=suite.cases[0].batch if suite.cases else 64,
+               world=suite.cases[0].world if suite.cases else 2)
+    paths = ensure_data(data_dir, suite.data, log=say).paths()
+    decode = DecodeCeiling(paths, suite.decode_seconds, say)
     cases = [c for c in suite.cases if not only or only in f"{c.dataset} {c.storage.name} {c.system.label}"]
-    results: list[dict[str, Any]] = []
-    for i, case in enumerate(cases, 1):
-        what = f"{case.dataset} | {case.storage.name} | {case.system.label}"
-        say(f"[{i}/{len(cases)}] {what} ...")
-        t = time.perf_counter()
-        try:
-            r = run_case(case, paths, log).as_dict()
-        except Exception as exc:  # one failed case is reported; the suite carries on
-            rep["errors"].append(f"{what}: {exc}")
-            say(f"    failed: {exc}")
-            continue
-        results.append(r)
-        rep["errors"] += [f"{what}: {w}" for w in r["extra"].get("warnings", [])]
-        say(f"    {r['samples_per_s']:,.0f} samples/s, first batch {r['first_batch_s']:.2f} s, "
-            f"batch p99 {r['batch_p99_ms']:.0f} ms ({time.perf_counter() - t:.1f} s)")
-    # Measured again at the end: on a shared machine the CPU's best showing is its ceiling.
-    again = decode_rates(paths, suite.decode_seconds)
-    rep["decode_rates_measured"] = {"start": rates, "end": again}
-    rep["decode_rates"] = rates = {k: max(v, again[k]) for k, v in rates.items()}
-    say("decode rate at the end: " + ", ".join(f"{k} {v:,.0f} samples/s" for k, v in again.items()))
+    results = [r for i, case in enumerate(cases, 1) if (r := _one_case(rep, case, i, len(cases), paths, log, say))]
+    rates = decode.end(rep, say)
     results = [report.derive(r, rates, rep["machine"]["cores"]) for r in results]
     report.finish(results)
     rep["cases"] = results
     if suite.curves is not None and not only:
-        c = suite.curves
-        rep["curves"] = {"in_flight_latency_ms": c.in_flight_latency_ms, "streams_latency_ms": c.streams_latency_ms}
-        say("curve: throughput against reads in flight")
-        rep["curves"]["reads_in_flight"] = curves_mod.reads_in_flight(c, paths, log, say)
-        say("curve: throughput against concurrent streams")
-        rep["curves"]["streams"] = curves_mod.concurrent_streams(c, paths, suite.data.text_rows, log, say)
-        say("curve: planner time and memory against dataset size")
-        rep["curves"]["planner"] = curves_mod.planner_scaling(c, say)
-    if suite.shuffle_quality and suite.curves is not None and not only:
-        from croupier.shuffle_quality import markdown_table, report_rows
-
-        say("shuffle quality")
-        rows, expected = report_rows(n=suite.curves.shuffle_rows)
-        rep["shuffle_quality"] = {
-            "rows": [{**r.figures.as_dict(), "pvalues": r.pvalues, "uniform": r.uniform} for r in rows],
-            "expected": expected, "markdown": markdown_table(rows, expected)}
+        rep["curves"] = _curves(suite.curves, suite.data.text_rows, paths, log, say)
+        if suite.shuffle_quality:
+            rep["shuffle_quality"] = _shuffle_quality(suite.curves.shuffle_rows, say)
     for kind in suite.targets:
         rep["targets"] = report.check_targets(kind, results)
-    rep["load"]["end"] = list(os.getloadavg())
-    if code_state() != rep["code"]:
-        rep["errors"].append(f"the code changed during the run: {rep['code']} at the start, {code_state()} at the end")
-    rep["wall_s"] = time.perf_counter() - t0
-    made = plots.all_plots(rep, out, suite.name)
-    (out / f"{suite.name}.json").write_text(json.dumps(rep, indent=1, default=str))
-    (out / f"{suite.name}.md").write_text(report.markdown(rep, made))
-    say(f"wrote {out / (suite.name + '.md')}, {out / (suite.name + '.json')} and {len(made)} plots "
-        f"in {rep['wall_s'] / 60:.1f} min")
-    for t in rep.get("targets", []):
-        say(f"  target {'met' if t['met'] else 'NOT met'}: {t['target']}: {t['detail']}")
-    return rep
+
+
+def _one_case(rep: Report, case: Case, i: int, n: int, paths: dict[str, Path], log: Path,
+              say: Callable[[str], None]) -> dict[str, Any] | None:
+    what = f"{case.dataset} | {case.storage.name} | {case.system.label}"
+    say(f"[{i}/{n}] {what} ...")
+    t = time.perf_counter()
+    result = attempt(rep, what, lambda: run_case(case, paths, log), say)
+    if result is None:
+        return None
+    r = result.as_dict()
+    rep["errors"] += [f"{what}: {w}" for w in r["extra"].get("warnings", [])]
+    say(f"    {r['samples_per_s']:,.0f} samples/s, first batch {r['first_batch_s']:.2f} s, "
+        f"batch p99 {r['batch_p99_ms']:.0f} ms ({time.perf_counter() - t:.1f} s)")
+    return r
+
+
+def _curves(c: Curves, text_rows: int, paths: dict[str, Path], log: Path, say: Callable[[str], None]) -> dict[str, Any]:
+    out: dict[str, Any] = {"in_flight_latency_ms": c.in_flight_latency_ms, "streams_latency_ms": c.streams_latency_ms}
+    say("curve: throughput against reads in flight")
+    out["reads_in_flight"] = curves_mod.reads_in_flight(c, paths, log, say)
+    say("curve: throughput against concurrent streams")
+    out["streams"] = curves_mod.concurrent_streams(c, paths, text_rows, log, say)
+    say("curve: planner time and memory against dataset size")
+    out["planner"] = curves_mod.planner_scaling(c, say)
+    return out
+
+
+def _shuffle_quality(rows: int, say: Callable[[str], None]) -> dict[str, Any]:
+    from croupier.shuffle_quality import markdown_table, report_rows
+
+    say("shuffle quality")
+    figures, expected = report_rows(n=rows)
+    return {"rows": [{**r.figures.as_dict(), "pvalues": r.pvalues, "uniform": r.uniform} for r in figures],
+            "expected": expected, "markdown": markdown_table(figures, expected)}

@@ -27,6 +27,7 @@ from pathlib import Path
 
 from . import procstat
 from .inflight import keep_in_flight
+from .reporting import close_header, header_lines, run_header
 
 OBJECT_BYTES = 8 << 20
 BUCKET = "bench"
@@ -92,9 +93,25 @@ def main(argv: list[str] | None = None) -> int:
         a.in_flight = levels[0]
         return child(a)
 
+    t0 = time.perf_counter()
+    header = run_header(" ".join(["python -m croupier.bench.s3get", *(sys.argv[1:] if argv is None else argv)]))
+    results = measure(a, levels)
+    close_header(header, t0)
+    md = report(results, a, levels, header)
+    print(md)
+    if a.out:
+        a.out.parent.mkdir(parents=True, exist_ok=True)
+        a.out.write_text(md)
+        a.out.with_suffix(".json").write_text(json.dumps({**header, "results": results, "reads": a.reads,
+                                                          "size": a.size, "latency_ms": a.latency_ms}, indent=1))
+    return 0
+
+
+def measure(a: argparse.Namespace, levels: list[int]) -> dict[str, list[dict]]:
+    """Each way of reading at each in-flight level, in a child process each, `a.rounds` rounds
+    alternated, against one loopback S3 server: the children's figures by "mode | level"."""
     from .s3server import Latency, running
 
-    started, load0 = time.time(), os.getloadavg()
     results: dict[str, list[dict]] = {}
     with running(None, latency=Latency.fixed(a.latency_ms), process=True) as s3:
         s3.create_bucket(BUCKET)
@@ -117,27 +134,14 @@ def main(argv: list[str] | None = None) -> int:
                     results.setdefault(f"{mode} | {q}", []).append(out)
                     print(f"round {rnd + 1}/{a.rounds} {mode} {q} in flight: {a.reads / out['seconds']:,.0f} GETs/s, "
                           f"{1e6 * out['cpu_s'] / a.reads:.0f} us CPU/GET", flush=True)
-    md = report(results, a, levels, started, load0, os.getloadavg())
-    print(md)
-    if a.out:
-        a.out.parent.mkdir(parents=True, exist_ok=True)
-        a.out.write_text(md)
-        a.out.with_suffix(".json").write_text(json.dumps({"results": results, "reads": a.reads, "size": a.size,
-                                                          "latency_ms": a.latency_ms}, indent=1))
-    return 0
+    return results
 
 
-def report(results: dict[str, list[dict]], a: argparse.Namespace, levels: list[int], started: float, load0: tuple,
-           load1: tuple) -> str:
-    from .run import code_state
-
-    rev = code_state()
-    flags = "".join(f" --in-flight {q}" for q in (a.in_flight or [])) if isinstance(a.in_flight, list) else ""
+def report(results: dict[str, list[dict]], a: argparse.Namespace, levels: list[int], header: dict) -> str:
+    """The Markdown: `header` (reporting.run_header, closed), then medians per way and level."""
     lines = [
         "# S3 GETs: CPU per GET through obstore and on the loop (s3http)", "",
-        f"Command: `python -m croupier.bench.s3get{flags}" + (f" --out {a.out}`  " if a.out else "`  "),
-        f"Run: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime(started))}, revision {rev}; load average at start "
-        f"{load0[0]:.2f}, at end {load1[0]:.2f}  ",
+        *header_lines(header),
         f"{a.reads:,} random GETs of {a.size:,} bytes of one 8 MB object on the loopback S3 server (own process, "
         f"fixed {a.latency_ms:g} ms per request), through `ObjectStore`; {a.rounds} rounds, alternated; medians.", "",
         "| GETs | in flight | GETs/s | reader CPU us/GET | event loop | obstore's Tokio threads | S3 server CPU us/GET |",

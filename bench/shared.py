@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import datetime
 import json
 import multiprocessing as mp
 import os
@@ -34,8 +33,10 @@ import numpy as np
 
 from . import latencyfs
 from .cases import ServerProcess
+from .driver import drive
 from .procstat import load_into_page_cache, peak_rss_mb
 from .promscrape import scrape
+from .reporting import header_lines
 
 
 def write_dataset(folder: Path, rows: int, row_bytes: int) -> Path:
@@ -176,49 +177,58 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         args.rows, args.ks = min(args.rows, 4000), "1,2,4"
     ks = [int(k) for k in args.ks.split(",")]
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    log = out / "server.log"
-    path = write_dataset(Path(args.data_dir), args.rows, args.row_bytes)
-    rows: list[dict[str, Any]] = []
-    for cond in args.conditions.split(","):
-        with contextlib.ExitStack() as stack:
-            fs = None
-            serve_path = path
-            if cond == "fuse":
-                problem = latencyfs.check_available()
-                if problem:
-                    print(f"skipping fuse: {problem} (bench/native/install-deps.sh)", file=sys.stderr)
-                    continue
-                fs = stack.enter_context(latencyfs.mounted(path.parent, median_ms=args.latency_ms))
-                serve_path = Path(fs.path) / path.name
-            elif cond == "pagecache":
-                load_into_page_cache([str(path)])
-            else:
-                raise SystemExit(f"unknown condition {cond!r}: fuse or pagecache")
-            for shared in (True, False) if args.compare_off else (True,):
-                for k in ks:
-                    r = run_k(serve_path, k, args, log, shared, fs)
-                    r["condition"] = cond if cond != "fuse" else f"fuse {args.latency_ms:g} ms"
-                    rows.append(r)
-                    print(json.dumps(r), flush=True)
-    report = {"command": " ".join([sys.executable, "-m", "croupier.bench.shared", *(argv or sys.argv[1:])]),
-              "rows": args.rows, "row_bytes": args.row_bytes, "batch_size": args.batch_size,
-              "cpus": os.cpu_count(), "results": rows}
-    (out / "shared.json").write_text(json.dumps(report, indent=1))
+    log = Path(tempfile.gettempdir()) / "croupier-bench-shared-server.log"  # not a result: kept out of --out
     command = "python -m croupier.bench.shared " + " ".join(argv if argv is not None else sys.argv[1:])
-    head = [f"# Shared epochs: K identical jobs, one server ({datetime.date.today().isoformat()})", "",
-            f"Command: `{command}`", "",
-            f"{args.rows:,} rows of {args.row_bytes:,} bytes (Arrow IPC), batch {args.batch_size}, "
-            f"{args.ranks} rank(s) per job, {os.cpu_count()} CPUs shared by the server, the jobs and the "
-            f"storage; fuse: latencyfs, lognormal median {args.latency_ms:g} ms sigma 0.5, pages evicted "
+
+    def measure(rep: dict[str, Any]) -> None:
+        rep.update(rows=args.rows, row_bytes=args.row_bytes, batch_size=args.batch_size, ranks=args.ranks,
+                   latency_ms=args.latency_ms, note=args.note, cpus=os.cpu_count())
+        path = write_dataset(Path(args.data_dir), args.rows, args.row_bytes)
+        rep["results"] = [r for cond in args.conditions.split(",") for r in sweep(cond, path, ks, args, log)]
+
+    rep = drive("shared", Path(args.out), command.strip(), measure, markdown)
+    print(table(rep["results"]))
+    return 0
+
+
+def sweep(cond: str, path: Path, ks: list[int], args: argparse.Namespace, log: Path) -> list[dict[str, Any]]:
+    """Every K on one storage condition ("fuse": the latency FS, its pages evicted before each K;
+    "pagecache": the plain files, read into the page cache first), sharing on (and off too with
+    --compare-off); nothing where the latency FS is unusable here (said on stderr)."""
+    rows: list[dict[str, Any]] = []
+    with contextlib.ExitStack() as stack:
+        fs = None
+        serve_path = path
+        if cond == "fuse":
+            problem = latencyfs.check_available()
+            if problem:
+                print(f"skipping fuse: {problem} (bench/native/install-deps.sh)", file=sys.stderr)
+                return rows
+            fs = stack.enter_context(latencyfs.mounted(path.parent, median_ms=args.latency_ms))
+            serve_path = Path(fs.path) / path.name
+        elif cond == "pagecache":
+            load_into_page_cache([str(path)])
+        else:
+            raise SystemExit(f"unknown condition {cond!r}: fuse or pagecache")
+        for shared in (True, False) if args.compare_off else (True,):
+            for k in ks:
+                r = run_k(serve_path, k, args, log, shared, fs)
+                r["condition"] = cond if cond != "fuse" else f"fuse {args.latency_ms:g} ms"
+                rows.append(r)
+                print(json.dumps(r), flush=True)
+    return rows
+
+
+def markdown(rep: dict[str, Any], plots: list[str]) -> str:
+    head = ["# Shared epochs: K identical jobs, one server", "", *header_lines(rep),
+            f"{rep['rows']:,} rows of {rep['row_bytes']:,} bytes (Arrow IPC), batch {rep['batch_size']}, "
+            f"{rep['ranks']} rank(s) per job, {rep['cpus']} CPUs shared by the server, the jobs and the "
+            f"storage; fuse: latencyfs, lognormal median {rep['latency_ms']:g} ms sigma 0.5, pages evicted "
             "before each K; pagecache: the plain files, read into the page cache first. Goal: reads per "
             "delivered sample 1/K while the jobs keep pace.", ""]
-    if args.note:
-        head += [args.note, ""]
-    (out / "shared.md").write_text("\n".join(head) + "\n" + table(rows) + "\n")
-    print(table(rows))
-    return 0
+    if rep["note"]:
+        head += [rep["note"], ""]
+    return "\n".join(head) + "\n" + table(rep["results"]) + "\n"
 
 
 if __name__ == "__main__":

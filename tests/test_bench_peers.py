@@ -22,7 +22,7 @@ from croupier.bench.peers import quality
 from croupier.bench.peers.case import dir_bytes, first_batch_s, per_epoch
 from croupier.bench.peers.runners._common import Job
 
-RUNNERS = Path(__file__).resolve().parents[1] / "croupier" / "bench" / "peers" / "runners"
+RUNNERS = Path(__file__).resolve().parents[1] / "bench" / "peers" / "runners"
 
 
 # ---- the delivered order and its quality ------------------------------------------------------
@@ -116,6 +116,27 @@ def test_a_runner_killed_after_its_checkpoint_printed_exactly_those_batches(tmp_
     assert [e["ids"] for e in evs if e["ev"] == "batch"] == [[0, 1], [2, 3], [4, 5]]
     assert evs[-1]["ev"] == "state" and json.loads(Path(evs[-1]["path"]).read_text()) == {"next": "x"}
     assert evs[-1]["path"].endswith(".rank1")
+
+
+def test_a_runner_writes_with_its_peers_writer_and_one_without_a_writer_refuses(tmp_path: Path) -> None:
+    """The runners' command line (_common.command_line): `write ARGS` prints what the writer wrote as one
+    JSON line; a system that reads the benchmark's own files has nothing to write (exit status 2)."""
+    script = tmp_path / "fake.py"
+    script.write_text(
+        "import sys\n"
+        f"sys.path.insert(0, {str(RUNNERS)!r})\n"
+        "from _common import command_line, guarded\n"
+        "write = (lambda args: {'shards': args['n']}) if sys.argv[3] == 'writer' else None\n"
+        "sys.exit(guarded(lambda: command_line('fake', print, write)))\n")
+
+    def run(*argv: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, str(script), *argv], capture_output=True, text=True, timeout=60)
+
+    wrote = run("write", json.dumps({"n": 5}), "writer")
+    assert wrote.returncode == 0 and json.loads(wrote.stdout) == {"shards": 5}
+    refused = run("write", json.dumps({"n": 5}), "none")
+    assert refused.returncode == 2
+    assert json.loads(refused.stdout) == {"error": "fake reads the benchmark's own files; there is nothing to write"}
 
 
 # ---- a real run --------------------------------------------------------------------------------

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 from typing import Any
 
+from ..reporting import header_lines, num
+
+#: What a resume cell says for a system that has no resume case (suite.VARIANTS gives it none).
+NO_RESUME = {"tfdata": "none: a tf.data service iterator cannot be checkpointed"}
 VARIANT_NAMES = {"default": "default", "strongest": "strongest shuffle", "cache10": "cache = 10% of data"}
 
 
@@ -21,10 +24,6 @@ def _rejected_by(q: dict) -> str:
     return f"rejected by {tests}, against a Bonferroni level of {bonferroni_level(pv):.3g}"
 
 
-def _f(x: Any, fmt: str = ",.0f") -> str:
-    return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, fmt)
-
-
 def _rate(r: dict[str, Any], epoch: int) -> float | None:
     """The epoch's rate; a cut epoch's (a thrashing cache: see PeersSuite.cache10_epoch_s) counts too."""
     eps = r.get("epochs") or []
@@ -38,7 +37,7 @@ def _rate_cell(r: dict[str, Any], epoch: int) -> str:
     cut = epoch < len(eps) and eps[epoch].get("cut")
     if epoch < len(eps) and not eps[epoch]["complete"] and not cut and eps[epoch]["samples"] == 0:
         return "not run" if epoch and eps[epoch - 1].get("cut") else "-"
-    return _f(_rate(r, epoch)) + (" (cut)" if cut else "")
+    return num(_rate(r, epoch)) + (" (cut)" if cut else "")
 
 
 def one_line(r: dict[str, Any]) -> str:
@@ -48,9 +47,9 @@ def one_line(r: dict[str, Any]) -> str:
                 + (f"lost {rs['lost']}, repeated {rs['repeated']} of {rs['expected']}" if rs else "not checked")
                 + (f"; problems: {r['problems']}" if r["problems"] else "") + f" ({r['wall_s']:.1f} s)")
     q = r.get("quality") or {}
-    return (f"epoch 1 {_rate_cell(r, 0)} samples/s, epoch 2 {_rate_cell(r, 1)}, first batch {_f(r.get('first_batch_s'), '.2f')} s, "
-            f"disk {_f(r.get('peak_local_disk_mb'), '.1f')} MB, RSS {_f(r.get('peak_rss_mb'))} MB, "
-            f"displacement {_f(q.get('mean_displacement'), '.3f')}, uniform {q.get('uniform', '-')}"
+    return (f"epoch 1 {_rate_cell(r, 0)} samples/s, epoch 2 {_rate_cell(r, 1)}, first batch {num(r.get('first_batch_s'), '.2f')} s, "
+            f"disk {num(r.get('peak_local_disk_mb'), '.1f')} MB, RSS {num(r.get('peak_rss_mb'))} MB, "
+            f"displacement {num(q.get('mean_displacement'), '.3f')}, uniform {q.get('uniform', '-')}"
             + (f"; problems: {r['problems']}" if r["problems"] else "") + f" ({r['wall_s']:.1f} s)")
 
 
@@ -58,8 +57,6 @@ def _resume_cell(rep: dict[str, Any], r: dict[str, Any]) -> str:
     m = next((x for x in rep["cases"] if x["variant"] == "resume" and x["system"] == r["system"]
               and x["dataset"] == r["dataset"] and x["condition"]["name"] == r["condition"]["name"]), None)
     if m is None or not m.get("resume"):
-        from .suite import NO_RESUME
-
         return NO_RESUME.get(r["system"], "-")
     rs = m["resume"]
     return f"{'exact' if rs['exact'] else 'NOT exact'}: lost {rs['lost']}, repeated {rs['repeated']}"
@@ -79,24 +76,25 @@ def table(rep: dict[str, Any], cond: str, ds: str) -> str:
         me = (q.get("mosaic_entropy") or {}).get("harmonic")
         lines.append(
             f"| {r['label']} | {VARIANT_NAMES[r['variant']]} | {r['shuffle']} | {_rate_cell(r, 0)} | {_rate_cell(r, 1)} "
-            f"| {_f(r.get('first_batch_s'), '.2f')} | {_f(r.get('peak_local_disk_mb'), '.1f')} | {_f(r.get('peak_rss_mb'))} "
-            f"| {_f(q.get('mean_displacement'), '.3f')} | {_f(q.get('spearman'), '+.3f')} | {_f(q.get('shards_per_batch'), '.1f')} "
-            f"| {_f(me, '.2f')} | {'yes' if q.get('uniform') else ('no' if q else '-')} "
+            f"| {num(r.get('first_batch_s'), '.2f')} | {num(r.get('peak_local_disk_mb'), '.1f')} | {num(r.get('peak_rss_mb'))} "
+            f"| {num(q.get('mean_displacement'), '.3f')} | {num(q.get('spearman'), '+.3f')} | {num(q.get('shards_per_batch'), '.1f')} "
+            f"| {num(me, '.2f')} | {'yes' if q.get('uniform') else ('no' if q else '-')} "
             f"| {_resume_cell(rep, r) if r['variant'] == 'default' else ''} |")
     if ref:
         lines.append(
-            f"| *numpy uniform permutation* | reference | | | | | | | {_f(ref['mean_displacement'], '.3f')} "
-            f"| {_f(ref['spearman'], '+.3f')} | {_f(ref['shards_per_batch'], '.1f')} "
-            f"| {_f(ref['mosaic_entropy']['harmonic'], '.2f')} | {'yes' if ref['uniform'] else 'no'} | |")
+            f"| *numpy uniform permutation* | reference | | | | | | | {num(ref['mean_displacement'], '.3f')} "
+            f"| {num(ref['spearman'], '+.3f')} | {num(ref['shards_per_batch'], '.1f')} "
+            f"| {num(ref['mosaic_entropy']['harmonic'], '.2f')} | {'yes' if ref['uniform'] else 'no'} | |")
     return "\n".join(lines)
 
 
 def plots(rep: dict[str, Any], out: Path, name: str) -> list[str]:
-    try:
-        import matplotlib
+    """`<name>-throughput.png` (epoch rates per storage and dataset) and `<name>-quality.png`
+    (epoch 1's rate against the delivered order's mean displacement): their file names."""
+    from ..plots import pyplot, save
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+    try:
+        plt = pyplot()
     except ImportError:
         return []
     made: list[str] = []
@@ -118,11 +116,7 @@ def plots(rep: dict[str, Any], out: Path, name: str) -> list[str]:
             ax.set_title(f"{ds}, {cond}", fontsize=9)
             ax.set_ylabel("samples/s at the trainer (all ranks)")
             ax.legend(fontsize=7)
-        fig.tight_layout()
-        fname = f"{name}-throughput.png"
-        fig.savefig(out / fname, dpi=110)
-        plt.close(fig)
-        made.append(fname)
+        made.append(save(fig, out / f"{name}-throughput.png").name)
     pts = [r for r in rep["cases"] if r.get("quality") and _rate(r, 0)]
     if pts:
         fig, ax = plt.subplots(figsize=(7, 5))
@@ -135,26 +129,18 @@ def plots(rep: dict[str, Any], out: Path, name: str) -> list[str]:
         ax.set_ylabel("epoch 1 (cold) samples/s")
         ax.set_title("throughput against shuffle quality")
         ax.legend(fontsize=7)
-        fig.tight_layout()
-        fname = f"{name}-quality.png"
-        fig.savefig(out / fname, dpi=110)
-        plt.close(fig)
-        made.append(fname)
+        made.append(save(fig, out / f"{name}-quality.png").name)
     return made
 
 
 def markdown(rep: dict[str, Any], made: list[str]) -> str:
-    m = rep["machine"]
     d = rep["data"]
     out = [f"# croupier beside Mosaic Streaming, LitData, tf.data service, torchdata (`{rep['suite']}`)", ""]
     if rep["suite"] != "peers":  # the quick run, or the matrix on other (tiny) sizes
         out += [f"**Smoke figures on tiny data (`{rep['suite']}`), not the issue's results:** "
                 f"{d['text_rows']:,} text rows and {d['images']:,} images, on a shared, busy machine; they show that "
                 "the harness runs end to end, not how the systems compare (start-up dominates epochs this short).", ""]
-    out += [f"Command: `{rep['command']}`", "",
-            f"Machine: {m['cpu']}, {m['cores']} cores, {m['memory_gb']:.0f} GB; Python {m['python']}. "
-            f"Code: {rep['code']}. Started {rep['started']}; load average {rep['load']['start'][0]:.2f} at the start, "
-            f"{rep['load']['end'][0]:.2f} at the end; {rep['wall_s'] / 60:.1f} min.", "",
+    out += [*header_lines(rep),
             f"Data: text {d['text_rows']:,} rows (~1 KB each), images {d['images']:,} JPEGs of "
             f"{d['image_size']}x{d['image_size']}; each peer's shards written by its own writer in "
             f"{rep['shards']} shards per dataset. {rep['world']} ranks, batch {rep['batch']}, "
@@ -242,9 +228,9 @@ def goal_table(rows: list[dict[str, Any]]) -> str:
     lines = ["| storage | dataset | epoch | against | croupier samples/s | best of them | its samples/s | croupier / it "
              "| its order uniform? | its peak disk MB |", "|---" * 10 + "|"]
     for g in rows:
-        lines.append(f"| {g['storage']} | {g['dataset']} | {g['epoch']} | {g['against']} | {_f(g['croupier'])} | {g['peer']} "
-                     f"| {_f(g['peer_rate'])} | {g['ratio']:.2f}x{'' if g['met'] else ' (behind)'} "
-                     f"| {'yes' if g['peer_uniform'] else 'no'} | {_f(g['peer_disk_mb'], '.1f')} |")
+        lines.append(f"| {g['storage']} | {g['dataset']} | {g['epoch']} | {g['against']} | {num(g['croupier'])} | {g['peer']} "
+                     f"| {num(g['peer_rate'])} | {g['ratio']:.2f}x{'' if g['met'] else ' (behind)'} "
+                     f"| {'yes' if g['peer_uniform'] else 'no'} | {num(g['peer_disk_mb'], '.1f')} |")
     return "\n".join(lines)
 
 
@@ -258,9 +244,9 @@ def reading(rep: dict[str, Any]) -> str:
                      "comparisons of the goal table.")
     for x in behind:
         facts.append(f"Behind: {x['dataset']}, {x['storage']}, epoch {x['epoch']}, against {x['against']}: "
-                     f"{x['peer']} {_f(x['peer_rate'])} vs croupier {_f(x['croupier'])} samples/s "
+                     f"{x['peer']} {num(x['peer_rate'])} vs croupier {num(x['croupier'])} samples/s "
                      f"({1 / x['ratio']:.2f}x croupier), with an order that is "
-                     f"{'uniform' if x['peer_uniform'] else 'NOT uniform'} and {_f(x['peer_disk_mb'], '.1f')} MB of local disk.")
+                     f"{'uniform' if x['peer_uniform'] else 'NOT uniform'} and {num(x['peer_disk_mb'], '.1f')} MB of local disk.")
     for r in rep["cases"]:
         q = r.get("quality") or {}
         if r["variant"] == "default" and q and not q.get("uniform"):

@@ -25,7 +25,6 @@ S3 server through a relay (case.S3Relay, runners/_relay.py). NOT_RUN lists what 
 
 from __future__ import annotations
 
-import datetime
 import json
 import os
 import re
@@ -40,10 +39,13 @@ from typing import Any
 
 import numpy as np
 
+from .. import latencyfs
 from ..datagen import BenchData, DataSpec, ensure_data, text_table
+from ..driver import Report, attempt, drive
 from ..real import Condition, latency_fs, open_storage, s3
+from ..reporting import revision
 from . import quality, venvs
-from .case import Watcher, first_batch_s, free_port, per_epoch, run_group, run_ranks
+from .case import RUNNERS, Watcher, first_batch_s, free_port, per_epoch, run_group, run_ranks
 from .runners._common import Job
 
 #: Runner script per system (runners/), and the venv it runs in (None: croupier's own).
@@ -86,8 +88,6 @@ NOT_RUN = {
     ("torchdata", "s3", "text"): "rows of the Arrow files on S3 need ranged reads with an index; torchdata has "
                                  "no writer or index of its own (images on S3 are run: one GET per file)",
 }
-#: What a resume cell says for a system that has no resume case.
-NO_RESUME = {"tfdata": "none: a tf.data service iterator cannot be checkpointed"}
 
 
 @dataclass(frozen=True)
@@ -186,8 +186,8 @@ def write_shards(suite: PeersSuite, system: str, python: Path, data: BenchData, 
     shutil.rmtree(out, ignore_errors=True)
     t = time.perf_counter()
     with open(log, "a") as f:
-        r = subprocess.run([str(python), str(Path(__file__).parent / "runners" / SCRIPTS[system]), "write",
-                            json.dumps(args)], cwd=str(Path(__file__).parent / "runners"), stdout=subprocess.PIPE,
+        r = subprocess.run([str(python), str(RUNNERS / SCRIPTS[system]), "write",
+                            json.dumps(args)], cwd=str(RUNNERS), stdout=subprocess.PIPE,
                            stderr=f, text=True, timeout=1800)
     lines = [x for x in r.stdout.splitlines() if x.startswith("{")]
     if r.returncode != 0 or not lines:
@@ -210,6 +210,9 @@ class Ctx:
     say: Callable[[str], None]
     pythons: dict[str, str] = field(default_factory=dict)
     written: dict[tuple[str, str], dict[str, Any]] = field(default_factory=dict)
+    #: Cases planned in the whole run, and counted so far (the progress lines' [done/total]).
+    total: int = 0
+    done: int = 0
 
 
 #: Systems that read the benchmark's own files (the save_to_disk folder, the ImageFolder tree): no writer.
@@ -409,7 +412,7 @@ def _setup_systems(suite: PeersSuite, say: Callable[[str], None], rep: dict[str,
         import croupier
 
         rep["versions"]["croupier"] = {"croupier": getattr(croupier, "__version__", "0.1.0"),
-                                       "revision": _git("rev-parse", "--short", "HEAD")}
+                                       "revision": revision(short=True)}
     for name in needed_venvs(suite):
         env = venvs.PEERS[name]
         try:
@@ -422,23 +425,34 @@ def _setup_systems(suite: PeersSuite, say: Callable[[str], None], rep: dict[str,
 
 
 def run_peers(suite: PeersSuite, out: Path, data_dir: Path, command: str, say: Callable[[str], None] = print,
-              only: str = "") -> dict[str, Any]:
-    from .. import latencyfs
-    from ..run import code_state, machine
+              only: str = "") -> Report:
+    """Runs `suite` (only the cases whose "dataset | storage | system | variant" contains `only`)
+    and writes `<suite>.json`, `.md` and the plots under `out`."""
     from . import report
 
-    t0 = time.perf_counter()
-    out.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix=f"croupier-bench-{suite.name}-", dir=str(Path.home() / ".cache")))
-    log = Path(tempfile.gettempdir()) / f"croupier-bench-{suite.name}-runs.log"  # kept: not a result
-    log.write_text("")
-    rep: dict[str, Any] = {
-        "suite": suite.name, "command": command, "machine": machine(), "code": code_state(),
-        "started": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "load": {"start": list(os.getloadavg())}, "data": asdict(suite.data), "world": suite.world,
-        "batch": suite.batch, "epochs": suite.epochs, "workers": suite.workers, "shards": suite.shards,
-        "cache_fraction": suite.cache_fraction, "versions": {}, "errors": [], "skipped": [], "cases": [],
-    }
+    def measure(rep: Report) -> None:
+        rep.update({"data": asdict(suite.data), "world": suite.world, "batch": suite.batch, "epochs": suite.epochs,
+                    "workers": suite.workers, "shards": suite.shards, "cache_fraction": suite.cache_fraction,
+                    "versions": {}, "skipped": [], "cases": []})
+        log = Path(tempfile.gettempdir()) / f"croupier-bench-{suite.name}-runs.log"  # kept: not a result
+        log.write_text("")
+        with tempfile.TemporaryDirectory(prefix=f"croupier-bench-{suite.name}-", dir=str(Path.home() / ".cache"),
+                                         ignore_cleanup_errors=True) as work:
+            ctx = _prepare(suite, rep, data_dir, Path(work), log, say)
+            plan = planned(suite, only)
+            ctx.total = len(plan)
+            for cond in suite.conditions:
+                _run_condition(ctx, rep, cond, [p for p in plan if p[0] == cond])
+        rep["uniform_reference"] = {ds: quality.uniform_reference(suite.rows(ds), suite.batch, suite.shard_rows(ds))
+                                    for ds in suite.datasets}
+        rep["goal"] = report.goal(rep)
+
+    return drive(suite.name, out, command, measure, report.markdown, report.plots, say)
+
+
+def _prepare(suite: PeersSuite, rep: Report, data_dir: Path, work: Path, log: Path, say: Callable[[str], None]) -> Ctx:
+    """The data, each peer's venv and its shards (written by its own writer); what was written
+    goes into rep["written"]."""
     data = ensure_data(data_dir, suite.data, log=say)
     export_source(data, suite.data)
     ctx = Ctx(suite, data, work, log, say)
@@ -458,60 +472,41 @@ def run_peers(suite: PeersSuite, out: Path, data_dir: Path, command: str, say: C
             if system in suite.systems:
                 ctx.written[(system, ds)] = {"bytes": sum(f.stat().st_size for f in src.rglob("*") if f.is_file())}
     rep["written"] = {f"{k[0]} {k[1]}": v for k, v in ctx.written.items()}
-    fuse_reason = latencyfs.check_available()
-    plan = planned(suite, only)
-    n = 0
-    for cond in suite.conditions:
-        todo = [p for p in plan if p[0] == cond]
-        if not todo:
-            continue
-        if cond.key == "fuse" and fuse_reason:
-            rep["skipped"].append(f"{cond.name}: latencyfs is unusable here: {fuse_reason}")
-            say(f"skipping {cond.name}: {fuse_reason}")
-            continue
-        with open_storage(cond, data) as st:
-            expected: dict[tuple[str, str], np.ndarray] = {}
-            for _, ds, system, variant in todo:
-                n += 1
-                what = f"{ds} | {cond.name} | {LABELS[system]} | {variant}"
-                if venv_of(system, cond.key) not in ctx.pythons or (system, ds) not in ctx.written:
-                    rep["skipped"].append(f"{what}: not set up (see errors)")
-                    continue
-                why = not_run(system, cond.key, ds)
-                if why:
-                    rep["skipped"].append(f"{what}: {why}")
-                    continue
-                say(f"[{n}/{len(plan)}] {what} ...")
-                try:
-                    r = run_system(ctx, st, system, ds, variant, n, expected.get((system, ds)))
-                except Exception as exc:  # one failed case is reported; the suite carries on
-                    rep["errors"].append(f"{what}: {exc}")
-                    say(f"    failed: {exc}")
-                    continue
-                if variant == "default" and r.get("order_epoch0"):
-                    expected[(system, ds)] = np.asarray(r["order_epoch0"])
-                r.pop("order_epoch0", None)
-                rep["cases"].append(r)
-                rep["errors"] += [f"{what}: {p}" for p in r["problems"]]
-                say("    " + report.one_line(r))
-    rep["uniform_reference"] = {ds: quality.uniform_reference(suite.rows(ds), suite.batch, suite.shard_rows(ds))
-                                for ds in suite.datasets}
-    rep["goal"] = report.goal(rep)
-    rep["load"]["end"] = list(os.getloadavg())
-    rep["wall_s"] = time.perf_counter() - t0
-    (out / f"{suite.name}.json").write_text(json.dumps(rep, indent=1, default=str))
-    made = report.plots(rep, out, suite.name)
-    (out / f"{suite.name}.md").write_text(report.markdown(rep, made))
-    shutil.rmtree(work, ignore_errors=True)
-    say(f"wrote {out / (suite.name + '.md')}, {out / (suite.name + '.json')} and {len(made)} plots "
-        f"in {rep['wall_s'] / 60:.1f} min")
-    return rep
+    return ctx
 
 
-def _git(*args: str) -> str:
-    import subprocess
+def _run_condition(ctx: Ctx, rep: Report, cond: Condition, todo: list[tuple[Condition, str, str, str]]) -> None:
+    """The planned cases of one storage condition, on one mount or S3 server; each system's
+    default run's order is the expected one its resume is checked against."""
+    from . import report
 
-    try:
-        return subprocess.run(["git", *args], capture_output=True, text=True, timeout=10).stdout.strip() or "unknown"
-    except (OSError, subprocess.TimeoutExpired):
-        return "unknown"
+    if not todo:
+        return
+    reason = latencyfs.check_available() if cond.key == "fuse" else ""
+    if reason:
+        rep["skipped"].append(f"{cond.name}: latencyfs is unusable here: {reason}")
+        ctx.say(f"skipping {cond.name}: {reason}")
+        return
+    with open_storage(cond, ctx.data) as st:
+        expected: dict[tuple[str, str], np.ndarray] = {}
+        for _, ds, system, variant in todo:
+            ctx.done += 1
+            what = f"{ds} | {cond.name} | {LABELS[system]} | {variant}"
+            if venv_of(system, cond.key) not in ctx.pythons or (system, ds) not in ctx.written:
+                rep["skipped"].append(f"{what}: not set up (see errors)")
+                continue
+            why = not_run(system, cond.key, ds)
+            if why:
+                rep["skipped"].append(f"{what}: {why}")
+                continue
+            ctx.say(f"[{ctx.done}/{ctx.total}] {what} ...")
+            r = attempt(rep, what, lambda: run_system(ctx, st, system, ds, variant, ctx.done,
+                                                      expected.get((system, ds))), ctx.say)
+            if r is None:
+                continue
+            if variant == "default" and r.get("order_epoch0"):
+                expected[(system, ds)] = np.asarray(r["order_epoch0"])
+            r.pop("order_epoch0", None)
+            rep["cases"].append(r)
+            rep["errors"] += [f"{what}: {p}" for p in r["problems"]]
+            ctx.say("    " + report.one_line(r))

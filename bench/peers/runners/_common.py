@@ -134,6 +134,34 @@ def run_epochs(job: Job, epochs_iter, state_fn=None) -> None:
     emit("end", t=now(), peak_rss_mb=peak_rss_mb())
 
 
+def run_loader_epochs(job: Job, loader) -> None:
+    """run_epochs over a loader that yields dict batches with an "id" tensor, each pass over it its
+    dataset's next epoch (Mosaic's, LitData's and torchdata's loaders), checkpointed by its own
+    state_dict."""
+
+    def epoch(_: int):
+        for batch in loader:
+            yield batch["id"].tolist()
+
+    run_epochs(job, epoch, loader.state_dict)
+
+
+def command_line(system: str, read, write=None) -> int:
+    """A runner's command line: `read JOB_JSON` runs one rank; `write ARGS_JSON` prints what the
+    peer's own writer wrote as one JSON line (a system without one reads the benchmark's own
+    files: an error, exit status 2)."""
+    cmd, arg = sys.argv[1], sys.argv[2]
+    if cmd == "read":
+        read(Job.parse(arg))
+        return 0
+    if cmd == "write" and write is not None:
+        print(json.dumps(write(json.loads(arg))), flush=True)
+        return 0
+    why = "reads the benchmark's own files; there is nothing to write" if cmd == "write" else f"has no command {cmd!r}"
+    print(json.dumps({"error": f"{system} {why}"}))
+    return 2
+
+
 # ---- the source rows every writer writes ----------------------------------------------------
 
 def source_rows(dataset: str, source: str):

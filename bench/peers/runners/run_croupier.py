@@ -10,10 +10,9 @@ storage order that every system reports). Resume: each rank's Loader.state_dict(
 
 from __future__ import annotations
 
-import json
 import sys
 
-from _common import Job, guarded, emit, load_state, now, run_epochs
+from _common import Job, command_line, guarded, emit, load_state, now, run_epochs
 
 
 def read(job: Job) -> None:
@@ -41,13 +40,5 @@ def read(job: Job) -> None:
         loader.close()
 
 
-def main() -> int:
-    if sys.argv[1] != "read":
-        print(json.dumps({"error": "croupier reads the benchmark's own files; there is nothing to write"}))
-        return 2
-    read(Job.parse(sys.argv[2]))
-    return 0
-
-
 if __name__ == "__main__":
-    sys.exit(guarded(main))
+    sys.exit(guarded(lambda: command_line("croupier", read)))

@@ -18,13 +18,13 @@ network call to pypi.org, not part of reading data.
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 
 os.environ.setdefault("LITDATA_DISABLE_VERSION_CHECK", "1")
 
-from _common import Job, guarded, decode_jpeg, emit, load_state, now, run_epochs, source_rows  # noqa: E402
+from _common import (Job, command_line, decode_jpeg, emit, guarded, load_state, now,  # noqa: E402
+                     run_loader_epochs, source_rows)
 
 def _row(row: dict) -> dict:
     return row  # the rows are the inputs: optimize()'s workers are spawned, they share no globals
@@ -84,21 +84,8 @@ def read(job: Job) -> None:
     if job.resume:
         loader.load_state_dict(load_state(job))
 
-    def epoch(_: int):
-        for batch in loader:  # each pass over the loader is the dataset's next epoch
-            yield batch["id"].tolist()
-
-    run_epochs(job, epoch, loader.state_dict)
-
-
-def main() -> int:
-    cmd, arg = sys.argv[1], sys.argv[2]
-    if cmd == "write":
-        print(json.dumps(write(json.loads(arg))), flush=True)
-    else:
-        read(Job.parse(arg))
-    return 0
+    run_loader_epochs(job, loader)
 
 
 if __name__ == "__main__":
-    sys.exit(guarded(main))
+    sys.exit(guarded(lambda: command_line("litdata", read, write)))

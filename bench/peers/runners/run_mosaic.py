@@ -16,11 +16,11 @@ _common.torchvision_or_placeholder.
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 
-from _common import Job, emit, guarded, load_state, now, run_epochs, source_rows, torchvision_or_placeholder
+from _common import (Job, command_line, emit, guarded, load_state, now, run_loader_epochs, source_rows,
+                     torchvision_or_placeholder)
 
 COLUMNS = {
     "text": {"id": "int64", "label": "int64", "text": "str", "tokens": "ndarray:int32"},
@@ -81,21 +81,8 @@ def read(job: Job) -> None:
     if job.resume:
         loader.load_state_dict(load_state(job, rank=0))  # the docs: rank 0's state, loaded by every rank
 
-    def epoch(_: int):
-        for batch in loader:  # each pass over the loader is the dataset's next epoch
-            yield batch["id"].tolist()
-
-    run_epochs(job, epoch, loader.state_dict)
-
-
-def main() -> int:
-    cmd, arg = sys.argv[1], sys.argv[2]
-    if cmd == "write":
-        print(json.dumps(write(json.loads(arg))), flush=True)
-    else:
-        read(Job.parse(arg))
-    return 0
+    run_loader_epochs(job, loader)
 
 
 if __name__ == "__main__":
-    sys.exit(guarded(main))
+    sys.exit(guarded(lambda: command_line("mosaic", read, write)))

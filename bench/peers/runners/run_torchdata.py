@@ -15,11 +15,10 @@ Loader.state_dict() per rank.
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 
-from _common import Job, guarded, decode_jpeg, emit, load_state, now, run_epochs
+from _common import Job, command_line, guarded, decode_jpeg, emit, load_state, now, run_loader_epochs
 
 #: Reads in flight per rank (threads): the I/O parallelism a torchdata user gives a slow store.
 THREADS = 16
@@ -98,20 +97,8 @@ def read(job: Job) -> None:
     if job.resume:
         loader.load_state_dict(load_state(job))
 
-    def epoch(_: int):
-        for batch in loader:
-            yield batch["id"].tolist()
-
-    run_epochs(job, epoch, loader.state_dict)
-
-
-def main() -> int:
-    if sys.argv[1] != "read":
-        print(json.dumps({"error": "torchdata reads the benchmark's own files; there is nothing to write"}))
-        return 2
-    read(Job.parse(sys.argv[2]))
-    return 0
+    run_loader_epochs(job, loader)
 
 
 if __name__ == "__main__":
-    sys.exit(guarded(main))
+    sys.exit(guarded(lambda: command_line("torchdata", read)))
