@@ -1,16 +1,21 @@
 """Trainer-side library: the streaming `Loader` and the RTP engine (`croupier.client.rtp`)."""
 
+from croupier.protocol.security import ClientSecurity
 from croupier.client.assemble import BatchAssembler, ProtocolError, RawBatch
+from croupier.client.connection import RetryPolicy
 from croupier.client.loader import Batch, Loader, LoaderError, LoaderStats
-from croupier.client.samples import SampleDecodeError
+from croupier.client.samples import ImageDecoding, SampleDecodeError
 
 __all__ = [
     "Batch",
     "BatchAssembler",
+    "ClientSecurity",
+    "ImageDecoding",
     "Loader",
     "LoaderError",
     "LoaderStats",
     "ProtocolError",
     "RawBatch",
+    "RetryPolicy",
     "SampleDecodeError",
 ]

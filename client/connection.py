@@ -1,8 +1,11 @@
-"""The client's only gRPC code: channels, calls, and which failures are worth a retry."""
+"""The client's only gRPC code: channels, calls, which failures are worth a retry, and
+how long to wait before one."""
 
 from __future__ import annotations
 
+import random
 from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
@@ -47,6 +50,29 @@ CHANNEL_OPTIONS = [
     ("grpc.max_reconnect_backoff_ms", 1_000),
     ("grpc.enable_retries", 0),
 ]
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """How a Loader retries a stream that failed for a reason worth a retry (RETRYABLE):
+    at most `max_retries` failures in a row (a batch received resets the count), each
+    followed by a backoff that starts at `initial_backoff_s` and doubles up to
+    `max_backoff_s`. A failure the same request would meet again (a size limit, a final
+    server limit, a refused request) is never retried, whatever the policy.
+    """
+
+    max_retries: int = 10
+    initial_backoff_s: float = 0.1
+    max_backoff_s: float = 5.0
+
+    def delay(self, failures: int, limit: str | None = None) -> float:
+        """Seconds to wait after the `failures`-th failure in a row: the doubled backoff,
+        capped, at least LIMIT_BACKOFF_S after a server limit other than the idle timeout,
+        then jittered to between half and all of that so that clients spread out."""
+        delay = min(self.max_backoff_s, self.initial_backoff_s * 2 ** (failures - 1))
+        if limit is not None and limit != "stream_idle_timeout_s":
+            delay = max(delay, LIMIT_BACKOFF_S)  # the limit frees up as streams end, not in ms
+        return delay * (0.5 + random.random() / 2)
 
 
 def limit_of(exc: grpc.aio.AioRpcError) -> str | None:

@@ -15,7 +15,6 @@ import concurrent.futures
 import logging
 import os
 import queue
-import random
 import threading
 import time
 import weakref
@@ -31,10 +30,11 @@ from torch.utils.data import default_collate
 from croupier.protocol.options import StreamOptions
 from croupier.protocol.security import ClientSecurity, check_address
 
-from croupier.client.decode_tuner import DecodeTuner
 from croupier.client.assemble import BatchAssembler, ProtocolError, RawBatch
-from croupier.client.samples import ImageDecode, collate_table, raw_batch_samples
-from croupier.client.connection import FINAL_LIMITS, LIMIT_BACKOFF_S, RETRYABLE, Connection, limit_of, size_limit_advice, transport_hint
+from croupier.client.connection import (FINAL_LIMITS, RETRYABLE, Connection, RetryPolicy, limit_of, size_limit_advice,
+                                        transport_hint)
+from croupier.client.decode_tuner import DecodeTuner
+from croupier.client.samples import ImageDecoding, collate_table, raw_batch_samples
 
 log = logging.getLogger("croupier.client")
 
@@ -128,25 +128,19 @@ class Loader:
         columns: table columns to fetch (default all).
         collate_fn: list of samples -> batch; default `torch.utils.data.default_collate`.
         transform: applied to every sample dict before collation.
-        decode_images: "tensor" (uint8 CHW), "pil", or "none" (encoded bytes).
-        server_decode: decode images on the server instead (raw pixels on the wire).
         pin_memory, device: pin and move each batch (non-blocking when pinned).
         in_order: yield batches in batch order (default); False yields a later batch
             first when it completes first (resume still loses and repeats nothing).
-        max_retries: consecutive failed attempts before giving up; progress resets it.
-            A message over a size limit is not retried (the LoaderError names the limit).
         buffer_batches: collated batches the sync iterator keeps ready ahead of the user.
-        decode_workers: threads decoding images (0 or 1: inline). Default: tuned while
-            running (client/decode_tuner.py), from 2, up to the CPU count: more while the
-            trainer waits on decoding, fewer while decoding idles; a value given is kept.
-        tls_ca: CA file (PEM) that signed the servers' certificates; turns TLS on
-            (default: the CROUPIER_TLS_CA environment variable).
-        tls_cert, tls_key: client certificate and key (PEM) for servers that require
-            mutual TLS (default: CROUPIER_CLIENT_CERT, CROUPIER_CLIENT_KEY).
-        token: bearer token sent with every call (default: CROUPIER_TOKEN). Sent in
-            clear text only to loopback addresses; elsewhere it needs TLS.
-        tls: True for TLS with the system's CAs; default: on when a CA or client
-            certificate is given.
+        decoding: what images become, and where and in how many threads they are decoded
+            (`ImageDecoding`; default: uint8 CHW tensors, decoded here, threads tuned).
+        retry: how often and how patiently a failed stream is retried (`RetryPolicy`;
+            default: 10 failures in a row, backoff from 0.1 s doubling up to 5 s). A
+            message over a size limit is not retried (the LoaderError names the limit).
+        security: TLS and bearer token (`ClientSecurity.resolve(tls_ca=..., token=...)`,
+            which fills what it is not given from CROUPIER_TLS_CA, CROUPIER_CLIENT_CERT,
+            CROUPIER_CLIENT_KEY, CROUPIER_TOKEN, CROUPIER_TLS). Default: from the
+            environment alone. A token goes in clear text only to loopback addresses.
         channel_options: extra gRPC channel arguments, e.g. `[("grpc.http2.bdp_probe", 0)]`
             to keep each stream's flow-control window at 64 KiB; they replace croupier's
             own of the same name (client/connection.py CHANNEL_OPTIONS).
@@ -168,23 +162,15 @@ class Loader:
         columns: Sequence[str] = (),
         collate_fn: Callable[[list[Any]], Any] | None = None,
         transform: Callable[[dict[str, Any]], Any] | None = None,
-        decode_images: ImageDecode = "tensor",
-        server_decode: bool = False,
         pin_memory: bool = False,
         device: str | torch.device | None = None,
         in_order: bool = True,
-        max_retries: int = 10,
-        retry_backoff_s: float = 0.1,
-        max_backoff_s: float = 5.0,
         buffer_batches: int = 4,
-        decode_workers: int | None = None,
-        tls_ca: str | None = None,
-        tls_cert: str | None = None,
-        tls_key: str | None = None,
-        token: str | None = None,
-        tls: bool | None = None,
+        decoding: ImageDecoding = ImageDecoding(),
+        retry: RetryPolicy = RetryPolicy(),
+        security: ClientSecurity | None = None,
         channel_options: Sequence[tuple[str, Any]] = (),
-    ):
+    ) -> None:
         if rank is None or world_size is None:
             d_rank, d_world = _distributed_default()
             rank = d_rank if rank is None else rank
@@ -195,7 +181,7 @@ class Loader:
         for address in self.servers:
             check_address(address)
         self.channel_options = list(channel_options)
-        self.security = ClientSecurity.resolve(tls=tls, tls_ca=tls_ca, tls_cert=tls_cert, tls_key=tls_key, token=token)
+        self.security = security if security is not None else ClientSecurity.resolve()
         for address in self.servers:
             self.security.metadata(address)  # refuses a token bound for clear text, now, not mid-epoch
         if batch_size < 1:
@@ -203,28 +189,18 @@ class Loader:
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is outside the world of size {world_size}")
         self.options = StreamOptions(
-            dataset=dataset,
-            batch_size=batch_size,
-            seed=seed,
-            epoch=epoch,
-            rank=rank,
-            world_size=world_size,
-            drop_last=drop_last,
-            ordered=ordered,
-            prefetch=prefetch,
-            columns=tuple(columns),
-            decode_images=server_decode,
+            dataset=dataset, batch_size=batch_size, seed=seed, epoch=epoch, rank=rank, world_size=world_size,
+            drop_last=drop_last, ordered=ordered, prefetch=prefetch, columns=tuple(columns),
+            decode_images=decoding.on_server,
         )
         self.collate_fn = collate_fn or default_collate
         self._default_collate = collate_fn is None or collate_fn is default_collate
         self.transform = transform
-        self.decode_images = decode_images
+        self.decoding = decoding
         self.pin_memory = pin_memory and torch.cuda.is_available()
         self.device = torch.device(device) if device is not None else None
         self.in_order = in_order
-        self.max_retries = max_retries
-        self.retry_backoff_s = retry_backoff_s
-        self.max_backoff_s = max_backoff_s
+        self.retry = retry
         self.buffer_batches = max(1, buffer_batches)
         self.stats = LoaderStats()
         self._next_batch = 0  # first batch not yet handed to the user
@@ -234,9 +210,9 @@ class Loader:
         self._epoch_done = False
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
-        #: Sets decode_workers as the Loader runs (None: decode_workers was given, and is kept).
-        self.decode_tuner = DecodeTuner(os.cpu_count() or 1) if decode_workers is None else None
-        self.decode_workers = self.decode_tuner.workers if self.decode_tuner is not None else decode_workers
+        #: Sets decode_workers as the Loader runs (None: decoding.workers was given, and is kept).
+        self.decode_tuner = DecodeTuner(os.cpu_count() or 1) if decoding.workers is None else None
+        self.decode_workers = self.decode_tuner.workers if self.decode_tuner is not None else decoding.workers
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
 
     # ---- epoch and resume state -------------------------------------------------
@@ -374,18 +350,15 @@ class Loader:
                 failures += 1
                 error = f"{address}: {code.name}: {exc.details()}{transport_hint(self.security, exc.details() or '')}"
                 self.stats.errors.append(error)
-                if failures > self.max_retries:
-                    raise LoaderError(f"gave up after {self.max_retries} retries; last error from {error}",
+                if failures > self.retry.max_retries:
+                    raise LoaderError(f"gave up after {self.retry.max_retries} retries; last error from {error}",
                                       code) from None
                 self.stats.reconnects += 1
                 server_i = (server_i + 1) % len(self.servers)
-                delay = min(self.max_backoff_s, self.retry_backoff_s * 2 ** (failures - 1))
-                if limit is not None and limit != "stream_idle_timeout_s":
-                    delay = max(delay, LIMIT_BACKOFF_S)  # the limit frees up as streams end, not in ms
-                delay *= 0.5 + random.random() / 2
+                delay = self.retry.delay(failures, limit)
                 # Said at once, each time: a trainer pointed at the wrong address learns it
                 # in seconds, not when the retries run out.
-                log.warning("%s; retry %d of %d in %.1fs (on %s)", error, failures, self.max_retries, delay,
+                log.warning("%s; retry %d of %d in %.1fs (on %s)", error, failures, self.retry.max_retries, delay,
                             self.servers[server_i])
                 await asyncio.sleep(delay)
             finally:
@@ -404,7 +377,7 @@ class Loader:
             data = collate_table(raw.table)  # same result as default_collate, column-wise
         if data is None:
             t0 = time.perf_counter()
-            samples = raw_batch_samples(raw, self.decode_images, self._decode_pool())
+            samples = raw_batch_samples(raw, self.decoding.output, self._decode_pool())
             if self.decode_tuner is not None:
                 self.decode_tuner.batch_done(len(samples), time.perf_counter() - t0)
             if self.transform is not None:

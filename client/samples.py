@@ -15,6 +15,7 @@ import functools
 import io
 import json
 from concurrent.futures import Executor
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import numpy as np
@@ -32,6 +33,22 @@ except ImportError:  # pragma: no cover - a platform without its wheel
 _FAST_JPEG_COLORSPACES = ("YCbCr", "Gray")
 
 ImageDecode = Literal["tensor", "pil", "none"]
+
+
+@dataclass(frozen=True)
+class ImageDecoding:
+    """How a Loader turns images into sample values: those of image datasets and the
+    `Image` columns of Hugging Face datasets alike.
+
+    output: "tensor" (uint8 CHW), "pil" (a PIL image) or "none" (the encoded bytes).
+    on_server: the server decodes (raw pixels on the wire: more bytes, no decoding here).
+    workers: threads decoding a batch here (0 or 1: inline). None: tuned while running
+        (client/decode_tuner.py), from 2 up to the CPU count; a number given is kept.
+    """
+
+    output: ImageDecode = "tensor"
+    on_server: bool = False
+    workers: int | None = None
 
 
 class SampleDecodeError(ValueError):

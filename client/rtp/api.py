@@ -16,7 +16,7 @@ from torch.optim import Optimizer
 from . import checkpoint
 from .hooks import average_replicated_grads, disable_nested_tensor_paths, install_rotation, warn_replicated
 from .state_bytes import StateBytes, state_bytes
-from .sharding_plan import plan_model
+from .sharding_plan import ModelPlan, plan_model
 from .ring import Ring, RingBuffers
 from .shard import RotatingShard
 from .split import Split
@@ -147,7 +147,8 @@ class RotatedTensorParallel(nn.Module):
         self.module = module
         warn_replicated(plan.replicated)
 
-    def _shard_parameters(self, plan: Any) -> None:
+    def _shard_parameters(self, plan: ModelPlan) -> None:
+        """Replace each planned parameter, wherever it is registered, by this rank's shard."""
         rank = self._ring.rank
         with torch.no_grad():
             for layer in plan.layers:
@@ -182,24 +183,24 @@ class RotatedTensorParallel(nn.Module):
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The whole model's state_dict, keys and shapes as the original module (collective)."""
-        return checkpoint.full_state_dict(self)
+        return checkpoint.full_state_dict(self.module, self._splits, self._ring)
 
     def load_full_state_dict(self, state_dict: dict[str, torch.Tensor], strict: bool = True) -> None:
-        checkpoint.load_full_state_dict(self, state_dict, strict)
+        checkpoint.load_full_state_dict(self.module, self._splits, self._ring, state_dict, strict)
 
     def sharded_state_dict(self, optimizer: Optimizer | None = None) -> dict[str, Any]:
         """This rank's shards, optionally with the optimizer's (already sharded) state."""
-        return checkpoint.sharded_state_dict(self, optimizer)
+        return checkpoint.sharded_state_dict(self.module, self._splits, self._ring, optimizer)
 
     def load_sharded_state_dict(self, state: dict[str, Any], optimizer: Optimizer | None = None) -> None:
-        checkpoint.load_sharded_state_dict(self, state, optimizer)
+        checkpoint.load_sharded_state_dict(self.module, self._splits, self._ring, state, optimizer)
 
     def save_sharded(self, directory: str | os.PathLike, optimizer: Optimizer | None = None) -> Path:
         """Each rank writes ``rank{r}-of-{N}.pt`` under `directory` (collective: ends with a barrier)."""
-        return checkpoint.save_sharded(self, directory, optimizer)
+        return checkpoint.save_sharded(self.module, self._splits, self._ring, directory, optimizer)
 
     def load_sharded(self, directory: str | os.PathLike, optimizer: Optimizer | None = None) -> None:
-        checkpoint.load_sharded(self, directory, optimizer)
+        checkpoint.load_sharded(self.module, self._splits, self._ring, directory, optimizer)
 
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:

@@ -15,13 +15,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .rules import Combine, Concat, LayerPlan, ShardedParam, ShardRule, Sum, Unsupported
+from .layer_plan import LayerChunk, LayerPlan, ShardedParam
+from .rules import Combine, Concat, Rotate, ShardRule, Sum, Unsupported
 from .split import Split, Splitter, units
 
 
@@ -85,11 +85,11 @@ class MultiheadAttentionRule(ShardRule):
         first = [sum(counts[:s]) for s in range(len(counts))]
         return LayerPlan(params, detail=Heads(counts, first, index, units((m.num_heads,), 0, counts, 1)))
 
-    def forward(self, layer: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+    def forward(self, module: nn.Module, rotate: Rotate, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 key_padding_mask: torch.Tensor | None = None, need_weights: bool = True,
                 attn_mask: torch.Tensor | None = None, average_attn_weights: bool = True,
                 is_causal: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-        m: nn.MultiheadAttention = layer.module
+        m: nn.MultiheadAttention = module
         same = query is key and key is value
         batched = query.dim() == 3
         if batched and not m.batch_first:
@@ -115,7 +115,7 @@ class MultiheadAttentionRule(ShardRule):
             if mask is not None and extra:
                 mask = F.pad(mask, (0, extra))  # the added key positions are never masked
         call = AttentionCall(mask, causal, need_weights, m.dropout if m.training else 0.0, same)
-        outs = layer.apply(call, (query,) if same else (query, key, value))
+        outs = rotate(call, (query,) if same else (query, key, value))
         out, weights = outs if need_weights else (outs, None)
         if batched and not m.batch_first:
             out = out.transpose(0, 1)
@@ -128,13 +128,13 @@ class MultiheadAttentionRule(ShardRule):
                 weights = weights.squeeze(0)
         return out, weights
 
-    def combines(self, layer: Any, call: AttentionCall) -> list[Combine]:
+    def combines(self, layer: LayerChunk, call: AttentionCall) -> list[Combine]:
         return [Sum()] + ([Concat(1, layer.plan.detail.heads)] if call.need_weights else [])
 
-    def uses_rng(self, layer: Any, call: AttentionCall) -> bool:
+    def uses_rng(self, layer: LayerChunk, call: AttentionCall) -> bool:
         return call.dropout > 0.0
 
-    def forward_piece(self, layer: Any, call: AttentionCall, inputs: Sequence[torch.Tensor],
+    def forward_piece(self, layer: LayerChunk, call: AttentionCall, inputs: Sequence[torch.Tensor],
                       w: list[torch.Tensor], s: int) -> tuple[torch.Tensor, ...]:
         m: nn.MultiheadAttention = layer.module
         heads: Heads = layer.plan.detail

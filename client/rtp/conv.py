@@ -13,7 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .rules import Combine, Concat, LayerPlan, ShardedParam, ShardRule, Unsupported
+from .layer_plan import LayerChunk, LayerPlan, ShardedParam
+from .rules import Combine, Concat, Rotate, ShardRule, Unsupported
 from .split import Split, Splitter, units
 
 CHANNELS = -3  # of both (N, C, H, W) and unbatched (C, H, W)
@@ -41,18 +42,18 @@ class Conv2dRule(ShardRule):
     def chunkable(self, plan: LayerPlan) -> bool:
         return plan.params[0].owner.groups == 1
 
-    def forward(self, layer: Any, x: torch.Tensor) -> torch.Tensor:
-        m = layer.module
+    def forward(self, module: nn.Module, rotate: Rotate, x: torch.Tensor) -> torch.Tensor:
+        m = module
         padding = m.padding
         if m.padding_mode != "zeros":  # padded outside the rotation, once, as nn.Conv2d does
             x = F.pad(x, m._reversed_padding_repeated_twice, mode=m.padding_mode)
             padding = 0
-        return layer.apply(padding, (x,))
+        return rotate(padding, (x,))
 
-    def combines(self, layer: Any, call: Any) -> list[Combine]:
+    def combines(self, layer: LayerChunk, call: Any) -> list[Combine]:
         return [Concat(CHANNELS, layer.plan.params[0].split)]
 
-    def forward_piece(self, layer: Any, call: Any, inputs: Sequence[torch.Tensor], w: list[torch.Tensor],
+    def forward_piece(self, layer: LayerChunk, call: Any, inputs: Sequence[torch.Tensor], w: list[torch.Tensor],
                       s: int) -> tuple[torch.Tensor, ...]:
         m, x, weight = layer.module, inputs[0], w[0]
         bias = w[1] if len(w) > 1 else None

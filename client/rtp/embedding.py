@@ -13,7 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .rules import Combine, Concat, GradAdder, LayerPlan, ShardedParam, ShardRule, Unsupported, rows
+from .layer_plan import LayerChunk, LayerPlan, ShardedParam
+from .rules import Combine, Concat, GradAdder, Rotate, ShardRule, Unsupported, rows
 from .split import Split, Splitter
 
 COLUMNS = 1
@@ -41,21 +42,21 @@ class EmbeddingRule(ShardRule):
     def chunkable(self, plan: LayerPlan) -> bool:
         return True
 
-    def forward(self, layer: Any, indices: torch.Tensor) -> torch.Tensor:
-        return layer.apply(None, (indices,))
+    def forward(self, module: nn.Module, rotate: Rotate, indices: torch.Tensor) -> torch.Tensor:
+        return rotate(None, (indices,))
 
-    def combines(self, layer: Any, call: Any) -> list[Combine]:
+    def combines(self, layer: LayerChunk, call: Any) -> list[Combine]:
         return [Concat(-1, layer.plan.params[0].split)]
 
-    def forward_piece(self, layer: Any, call: Any, inputs: Sequence[torch.Tensor], w: list[torch.Tensor],
+    def forward_piece(self, layer: LayerChunk, call: Any, inputs: Sequence[torch.Tensor], w: list[torch.Tensor],
                       s: int) -> tuple[torch.Tensor, ...]:
         m = layer.module
         return (F.embedding(inputs[0], w[0], m.padding_idx, None, 2.0, m.scale_grad_by_freq, False),)
 
-    def backward_needs_weights(self, layer: Any, call: Any, need_in: Sequence[bool]) -> bool:
+    def backward_needs_weights(self, layer: LayerChunk, call: Any, need_in: Sequence[bool]) -> bool:
         return layer.module.scale_grad_by_freq  # only the recomputing fallback reads them
 
-    def backward_piece(self, layer: Any, call: Any, inputs: Sequence[torch.Tensor], w: list[torch.Tensor] | None,
+    def backward_piece(self, layer: LayerChunk, call: Any, inputs: Sequence[torch.Tensor], w: list[torch.Tensor] | None,
                        s: int, gy: torch.Tensor, dx: list[torch.Tensor | None], need_w: bool) -> GradAdder | None:
         m = layer.module
         if m.scale_grad_by_freq:

@@ -1,14 +1,16 @@
 """Everything RTP attaches to the user's modules and parameters, in one place.
 
 - Sharded layers get their class swapped for a subclass whose `forward` runs the
-  rotation (as FSDP2 does), so isinstance checks, state_dict keys and user hooks
-  keep working; a forward pre-hook checks the layer is at rest before it starts.
+  rotation (as FSDP2 does): the layer's rule prepares the inputs and hands them to
+  `rotation.rotate`. isinstance checks, state_dict keys and user hooks keep working;
+  a forward pre-hook checks the layer is at rest before it starts.
 - Replicated parameters get a post-accumulate-grad hook that averages their gradient
   over the group, matching the mean-over-ranks semantics of the sharded ones.
 """
 
 from __future__ import annotations
 
+import functools
 import warnings
 from typing import Any
 
@@ -16,6 +18,7 @@ import torch
 from torch import nn
 
 from .ring import Ring
+from .rotation import rotate
 from .shard import Position, RotatingShard
 
 
@@ -30,7 +33,7 @@ class RotatedModule:
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         layer = self._rtp_layer
-        return layer.rule.forward(layer, *args, **kwargs)
+        return layer.rule.forward(layer.module, functools.partial(rotate, layer), *args, **kwargs)
 
 
 _SUBCLASSES: dict[type, type] = {}

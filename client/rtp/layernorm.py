@@ -13,7 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .rules import Combine, Concat, GradAdder, LayerPlan, ShardedParam, ShardRule, Unsupported
+from .layer_plan import LayerChunk, LayerPlan, ShardedParam
+from .rules import Combine, Concat, GradAdder, Rotate, ShardRule, Unsupported
 from .split import Split, Splitter
 
 
@@ -37,27 +38,27 @@ class LayerNormRule(ShardRule):
     def chunkable(self, plan: LayerPlan) -> bool:
         return True
 
-    def forward(self, layer: Any, x: torch.Tensor) -> torch.Tensor:
-        m = layer.module
+    def forward(self, module: nn.Module, rotate: Rotate, x: torch.Tensor) -> torch.Tensor:
+        m = module
         normalised = F.layer_norm(x, m.normalized_shape, None, None, m.eps)
-        return layer.apply(None, (normalised,))
+        return rotate(None, (normalised,))
 
-    def _dim(self, layer: Any) -> int:
+    def _dim(self, layer: LayerChunk) -> int:
         return -len(layer.module.normalized_shape)
 
-    def combines(self, layer: Any, call: Any) -> list[Combine]:
+    def combines(self, layer: LayerChunk, call: Any) -> list[Combine]:
         return [Concat(self._dim(layer), layer.plan.params[0].split)]
 
-    def forward_piece(self, layer: Any, call: Any, inputs: Sequence[torch.Tensor], w: list[torch.Tensor],
+    def forward_piece(self, layer: LayerChunk, call: Any, inputs: Sequence[torch.Tensor], w: list[torch.Tensor],
                       s: int) -> tuple[torch.Tensor, ...]:
         at, length = layer.plan.params[0].split.single_range(s)
         out = inputs[0].narrow(self._dim(layer), at, length) * w[0]
         return (out + w[1] if len(w) > 1 else out,)
 
-    def backward_needs_weights(self, layer: Any, call: Any, need_in: Sequence[bool]) -> bool:
+    def backward_needs_weights(self, layer: LayerChunk, call: Any, need_in: Sequence[bool]) -> bool:
         return need_in[0]
 
-    def backward_piece(self, layer: Any, call: Any, inputs: Sequence[torch.Tensor], w: list[torch.Tensor] | None,
+    def backward_piece(self, layer: LayerChunk, call: Any, inputs: Sequence[torch.Tensor], w: list[torch.Tensor] | None,
                        s: int, gy: torch.Tensor, dx: list[torch.Tensor | None], need_w: bool) -> GradAdder | None:
         dim = self._dim(layer)
         at, length = layer.plan.params[0].split.single_range(s)

@@ -15,7 +15,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.modules.linear import NonDynamicallyQuantizableLinear
 
-from .rules import Combine, Concat, GradAdder, LayerPlan, ShardedParam, ShardRule, Sum, Unsupported, rows
+from .layer_plan import LayerChunk, LayerPlan, ShardedParam
+from .rules import Combine, Concat, GradAdder, Rotate, ShardRule, Sum, Unsupported, rows
 from .split import Split, Splitter
 
 ROWS, COLUMNS = 0, 1
@@ -44,15 +45,15 @@ class LinearRule(ShardRule):
     def chunkable(self, plan: LayerPlan) -> bool:
         return True
 
-    def forward(self, layer: Any, x: torch.Tensor) -> torch.Tensor:
-        return layer.apply(None, (x,))
+    def forward(self, module: nn.Module, rotate: Rotate, x: torch.Tensor) -> torch.Tensor:
+        return rotate(None, (x,))
 
-    def combines(self, layer: Any, call: Any) -> list[Combine]:
+    def combines(self, layer: LayerChunk, call: Any) -> list[Combine]:
         if layer.plan.detail == ROWS:
             return [Concat(-1, layer.plan.params[0].split)]
         return [Sum()]
 
-    def forward_piece(self, layer: Any, call: Any, inputs: Sequence[torch.Tensor], w: list[torch.Tensor],
+    def forward_piece(self, layer: LayerChunk, call: Any, inputs: Sequence[torch.Tensor], w: list[torch.Tensor],
                       s: int) -> tuple[torch.Tensor, ...]:
         x, weight = inputs[0], w[0]
         bias = w[1] if len(w) > 1 else None
@@ -65,10 +66,10 @@ class LinearRule(ShardRule):
             out.narrow(-1, b_at, b_len).add_(bias)
         return (out,)
 
-    def backward_needs_weights(self, layer: Any, call: Any, need_in: Sequence[bool]) -> bool:
+    def backward_needs_weights(self, layer: LayerChunk, call: Any, need_in: Sequence[bool]) -> bool:
         return need_in[0]  # the weight gradient is gy^T x: no weights in it
 
-    def backward_piece(self, layer: Any, call: Any, inputs: Sequence[torch.Tensor], w: list[torch.Tensor] | None,
+    def backward_piece(self, layer: LayerChunk, call: Any, inputs: Sequence[torch.Tensor], w: list[torch.Tensor] | None,
                        s: int, gy: torch.Tensor, dx: list[torch.Tensor | None], need_w: bool) -> GradAdder | None:
         x = inputs[0]
         has_bias = len(layer.plan.params) > 1

@@ -12,6 +12,8 @@ overlaps the current one's. When the layer's input needs no gradient and its wei
 gradient does not read the weights (Linear, Embedding, LayerNorm), only accumulators move.
 
 A layer larger than the chunk size repeats all this for each slice of its shards in turn.
+
+`rotate` is the entry: a rule's `forward` prepares the inputs and hands them to it.
 """
 
 from __future__ import annotations
@@ -182,3 +184,13 @@ class RotatedLayer(torch.autograd.Function):
         own_grads = ([g if need else None for g, need in zip(grads, need_own)] if grads is not None
                      else [None] * len(need_own))
         return (None, None, None, *dx, *own_grads)
+
+
+def rotate(layer: RotatingShard, call: Any, inputs: Sequence[torch.Tensor]) -> Any:
+    """Run `layer` on `inputs` across the ring (differentiable in the inputs and the owned shard)."""
+    if torch.is_autocast_enabled(layer.device.type):
+        # Pieces would come out in the autocast dtype while backward's closed forms mix it
+        # with full-precision saved inputs; cast the model instead (model.to(torch.bfloat16)).
+        raise RuntimeError(f"layer {layer.name!r}: RotatedTensorParallel does not support autocast")
+    own = layer.own()
+    return RotatedLayer.apply(layer, call, len(inputs), *inputs, *own)

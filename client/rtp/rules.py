@@ -3,9 +3,10 @@
 A rule knows three things about one module type: how to cut its parameters (`plan`),
 what one shard computes for this rank's input (`forward_piece`), and that shard's
 contribution to the input gradient and to its own weight gradient (`backward_piece`).
-The rotation itself (which shard is where, sends, receives) lives in `rotation.py`.
-The `layer` a piece method receives is a `Chunk`: its `plan` holds the splits of what
-rotates (the whole shards, or one slice of each) and `module` the layer's module.
+The rotation itself (which shard is where, sends, receives) lives in `rotation.py`;
+a rule's `forward` reaches it only through the `rotate` callable it is handed.
+The `layer` a piece method receives is a `LayerChunk`: its `plan` holds the splits of
+what rotates (the whole shards, or one slice of each) and `module` the layer's module.
 """
 
 from __future__ import annotations
@@ -13,34 +14,17 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
 
+from .layer_plan import LayerChunk, LayerPlan
 from .split import Split, Splitter
-
-if TYPE_CHECKING:
-    from .shard import RotatingShard
 
 
 class Unsupported(Exception):
     """This module's configuration cannot be sharded; it stays replicated."""
-
-
-@dataclass(frozen=True)
-class ShardedParam:
-    """One parameter a layer shards: where it is registered and how it is cut."""
-
-    owner: nn.Module
-    name: str
-    split: Split
-
-
-@dataclass
-class LayerPlan:
-    params: list[ShardedParam]
-    detail: Any = None  # rule-specific: mode, head counts, ...
 
 
 @dataclass(frozen=True)
@@ -90,6 +74,9 @@ class Combiner:
 
 
 GradAdder = Callable[[list[torch.Tensor]], None]
+#: Runs the layer across the ring on inputs a rule's `forward` prepared: `rotate(call, inputs)`
+#: returns the combined outputs (rotation.rotate, bound to the layer).
+Rotate = Callable[[Any, Sequence[torch.Tensor]], Any]
 
 
 def rows(t: torch.Tensor) -> torch.Tensor:
@@ -114,15 +101,15 @@ class ShardRule:
         """Cut the parameters; `fixed[(id(owner), name)]` is a split already chosen for a tied weight."""
         raise NotImplementedError
 
-    def forward(self, layer: RotatingShard, *args: Any, **kwargs: Any) -> Any:
-        """The module's forward, replaced: prepares inputs and calls `layer.apply`."""
+    def forward(self, module: nn.Module, rotate: Rotate, *args: Any, **kwargs: Any) -> Any:
+        """The module's forward, replaced: prepares the inputs and hands them to `rotate`."""
         raise NotImplementedError
 
-    def combines(self, layer: RotatingShard, call: Any) -> list[Combine]:
+    def combines(self, layer: LayerChunk, call: Any) -> list[Combine]:
         """How each output of `forward_piece` combines across shards (first output differentiable)."""
         raise NotImplementedError
 
-    def forward_piece(self, layer: RotatingShard, call: Any, inputs: Sequence[torch.Tensor],
+    def forward_piece(self, layer: LayerChunk, call: Any, inputs: Sequence[torch.Tensor],
                       w: list[torch.Tensor], s: int) -> tuple[torch.Tensor, ...]:
         raise NotImplementedError
 
@@ -131,15 +118,15 @@ class ShardRule:
         and a slice of the shards computes a slice (or a partial sum) of the output."""
         return False
 
-    def uses_rng(self, layer: RotatingShard, call: Any) -> bool:
+    def uses_rng(self, layer: LayerChunk, call: Any) -> bool:
         """Whether a piece draws random numbers (dropout): then backward replays the RNG state."""
         return False
 
-    def backward_needs_weights(self, layer: RotatingShard, call: Any, need_in: Sequence[bool]) -> bool:
+    def backward_needs_weights(self, layer: LayerChunk, call: Any, need_in: Sequence[bool]) -> bool:
         """Whether backward must see the weights; if not, only gradient accumulators travel."""
         return True
 
-    def backward_piece(self, layer: RotatingShard, call: Any, inputs: Sequence[torch.Tensor],
+    def backward_piece(self, layer: LayerChunk, call: Any, inputs: Sequence[torch.Tensor],
                        w: list[torch.Tensor] | None, s: int, gy: torch.Tensor,
                        dx: list[torch.Tensor | None], need_w: bool) -> GradAdder | None:
         """Add shard `s`'s input-gradient contribution into `dx`; return a function that adds its

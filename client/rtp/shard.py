@@ -1,18 +1,22 @@
-"""One layer's shards as seen from one rank: what it owns, what it is visiting, where the rest are."""
+"""One layer's shards as seen from one rank: what it owns, what it is visiting, where the rest are.
+
+`RotatingShard` is the layer's state and its lifecycle (`Position`); the rotation that
+moves its chunks is rotation.py, and the hook that starts one is hooks.py.
+"""
 
 from __future__ import annotations
 
 import enum
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager
-from typing import Any
 
 import torch
 from torch import nn
 
+from .layer_plan import LayerChunk, LayerPlan, chunk_layer
 from .ring import FORWARD, Ring, RingBuffers
-from .rules import LayerPlan, ShardedParam, ShardRule
+from .rules import ShardRule
 
 
 class Position(enum.Enum):
@@ -21,60 +25,6 @@ class Position(enum.Enum):
     HOME = "home"  # only the owned shard is materialised; nothing in flight
     ROTATING_FORWARD = "rotating_forward"  # visiting shards arrive from the previous rank
     ROTATING_BACKWARD = "rotating_backward"  # shards travel back with their gradient accumulators
-
-
-class Chunk:
-    """A unit of rotation: every shard of a layer, or for a layer too large to move whole,
-    the same slice of every shard. All tensors of one shard's chunk travel as one flat
-    message; `views` unpacks it. Rules see a chunk as their layer (`module`, `plan`)."""
-
-    def __init__(self, module: nn.Module, plan: LayerPlan, n_shards: int, rank: int, offsets: list[int] | None):
-        self.module = module
-        self.plan = plan
-        self._shapes = [[p.split.shape(s) for p in plan.params] for s in range(n_shards)]
-        self._numels = [[p.split.numel(s) for p in plan.params] for s in range(n_shards)]
-        self._rank = rank
-        self._offsets = offsets  # where this chunk starts inside each owned parameter; None: whole
-
-    @property
-    def max_numel(self) -> int:
-        return max(sum(n) for n in self._numels)
-
-    def numel(self, s: int) -> int:
-        return sum(self._numels[s])
-
-    def own(self, params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        """This chunk of the owned parameters (views)."""
-        if self._offsets is None:
-            return list(params)
-        return [p.narrow(sp.split.dim, at, sp.split.length(self._rank))
-                for p, sp, at in zip(params, self.plan.params, self._offsets)]
-
-    def views(self, flat: torch.Tensor, s: int) -> list[torch.Tensor]:
-        """Shard `s`'s tensors inside a flat buffer holding that shard."""
-        out, at = [], 0
-        for shape, n in zip(self._shapes[s], self._numels[s]):
-            out.append(flat[at: at + n].view(shape))
-            at += n
-        return out
-
-    def pack(self, tensors: Sequence[torch.Tensor], flat: torch.Tensor, s: int) -> torch.Tensor:
-        """Copy shard `s`'s tensors into the front of `flat`; returns the used part."""
-        for view, t in zip(self.views(flat, s), tensors):
-            view.copy_(t)
-        return flat[: self.numel(s)]
-
-
-def _chunked(module: nn.Module, plan: LayerPlan, n_shards: int, rank: int, k: int) -> list[Chunk]:
-    if k <= 1:
-        return [Chunk(module, plan, n_shards, rank, None)]
-    per_param = [sp.split.chunks(k) for sp in plan.params]
-    chunks, offsets = [], [0] * len(plan.params)
-    for c in range(k):
-        params = [ShardedParam(sp.owner, sp.name, splits[c]) for sp, splits in zip(plan.params, per_param)]
-        chunks.append(Chunk(module, LayerPlan(params, plan.detail), n_shards, rank, list(offsets)))
-        offsets = [at + splits[c].length(rank) for at, splits in zip(offsets, per_param)]
-    return chunks
 
 
 class RotatingShard:
@@ -97,12 +47,12 @@ class RotatingShard:
         self.buffers = buffers
         self.position = Position.HOME
         self.visiting: int | None = None
-        whole = Chunk(module, plan, ring.size, ring.rank, None)
+        whole = LayerChunk(module, plan, ring.size, ring.rank, None)
         k = 1
         if chunk_bytes and rule.chunkable(plan):
             longest = max(p.split.length(s) for p in plan.params for s in range(ring.size))
             k = min(math.ceil(whole.max_numel * self.dtype.itemsize / chunk_bytes), max(longest, 1))
-        self.chunks = _chunked(module, plan, ring.size, ring.rank, k)
+        self.chunks = chunk_layer(module, plan, ring.size, ring.rank, k)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -155,17 +105,6 @@ class RotatingShard:
             yield
         finally:
             self.position, self.visiting = Position.HOME, None
-
-    def apply(self, call: Any, inputs: Sequence[torch.Tensor]) -> Any:
-        """Run this layer on `inputs` across the ring (differentiable in inputs and owned shard)."""
-        from .rotation import RotatedLayer
-
-        if torch.is_autocast_enabled(self.device.type):
-            # Pieces would come out in the autocast dtype while backward's closed forms mix it
-            # with full-precision saved inputs; cast the model instead (model.to(torch.bfloat16)).
-            raise RuntimeError(f"layer {self.name!r}: RotatedTensorParallel does not support autocast")
-        own = self.own()
-        return RotatedLayer.apply(self, call, len(inputs), *inputs, *own)
 
     def __repr__(self) -> str:
         return (f"RotatingShard({self.name!r}, {type(self.module).__name__}, shard {self.rank}/{self.n_shards}, "

@@ -10,10 +10,14 @@ from torch import nn
 from .attention import MultiheadAttentionRule
 from .conv import Conv2dRule
 from .embedding import EmbeddingRule
+from .layer_plan import LayerPlan
 from .layernorm import LayerNormRule
 from .linear import LinearRule
-from .rules import LayerPlan, ShardRule, Unsupported
+from .rules import ShardRule, Unsupported
 from .split import Split, Splitter
+
+#: Every registration (module, attribute) of each parameter, by id: a tied one has several.
+Registrations = dict[int, list[tuple[nn.Module, str]]]
 
 RULES: tuple[ShardRule, ...] = (LinearRule(), EmbeddingRule(), Conv2dRule(), LayerNormRule(),
                                 MultiheadAttentionRule())
@@ -40,8 +44,7 @@ class ModelPlan:
     layers: list[PlannedLayer] = field(default_factory=list)
     # module name -> (type name, why it is replicated), for modules owning replicated parameters
     replicated: dict[str, tuple[str, str]] = field(default_factory=dict)
-    # every registration (module, attribute) of each parameter, by id
-    registrations: dict[int, list[tuple[nn.Module, str]]] = field(default_factory=dict)
+    registrations: Registrations = field(default_factory=dict)
 
 
 @dataclass(eq=False)
@@ -53,14 +56,36 @@ class _Candidate:
 
 
 def plan_model(model: nn.Module, n_shards: int) -> ModelPlan:
-    splitter = Splitter(n_shards)
-    registrations: dict[int, list[tuple[nn.Module, str]]] = defaultdict(list)
+    """Which layers of `model` are sharded over `n_shards`, how, and what stays replicated and why.
+
+    Decided in four steps: the candidates (modules with a rule for their exact type),
+    the tied parameters (every module registering one must shard it the same way, else
+    none does), the cut of each layer, and the replicated rest.
+    """
+    registrations = _registrations(model)
+    reasons: dict[int, str] = {}  # id(module) -> why it is not sharded
+    candidates = _candidates(model, reasons)
+    agreed = _agree_on_tied_parameters(candidates, registrations, reasons)
+    plan = ModelPlan(registrations=registrations)
+    splits = _plan_layers(candidates, agreed, Splitter(n_shards), plan, reasons)
+    for name, module in model.named_modules():
+        own = [p for p in module._parameters.values() if p is not None and id(p) not in splits]
+        if own:
+            plan.replicated[name] = (type(module).__name__, reasons.get(id(module), "no sharding rule for this type"))
+    return plan
+
+
+def _registrations(model: nn.Module) -> Registrations:
+    registrations: Registrations = defaultdict(list)
     for module in model.modules():
         for pname, p in module._parameters.items():
             if p is not None:
                 registrations[id(p)].append((module, pname))
+    return dict(registrations)
 
-    reasons: dict[int, str] = {}
+
+def _candidates(model: nn.Module, reasons: dict[int, str]) -> list[_Candidate]:
+    """Modules whose exact type has a rule and whose claimed parameters share one dtype and device."""
     candidates: list[_Candidate] = []
     covered: set[int] = set()  # submodules whose parameters a parent's rule shards (MHA's out_proj)
     for name, module in model.named_modules():
@@ -78,8 +103,18 @@ def plan_model(model: nn.Module, n_shards: int) -> ModelPlan:
             continue
         candidates.append(_Candidate(name, module, rule, claims))
         covered.update(id(o) for o, _ in claims if o is not module)
+    return candidates
 
-    # A parameter can be sharded only if every module registering it shards it the same way.
+
+def _agree_on_tied_parameters(candidates: list[_Candidate], registrations: Registrations,
+                              reasons: dict[int, str]) -> dict[int, int]:
+    """The dimension each tied parameter is split along, by id; drops (from `candidates`)
+    every candidate that shares a parameter it cannot shard the way the others do.
+
+    A parameter can be sharded only if every module registering it shards it the same
+    way; dropping one candidate can leave another alone with a parameter, so the check
+    runs again until nothing changes.
+    """
     agreed: dict[int, int] = {}
     changed = True
     while changed:
@@ -89,7 +124,7 @@ def plan_model(model: nn.Module, n_shards: int) -> ModelPlan:
             for owner, pname in c.claims:
                 claimants[id(getattr(owner, pname))].append((c, owner, pname))
         for pid, users in claimants.items():
-            if len(users) != len(registrations[pid]):
+            if len(users) != len(registrations.get(pid, ())):
                 why = "shares a parameter with a layer that is not sharded"
             elif len(users) > 1:
                 dims = [set(c.rule.split_dims(c.module, o, p)) for c, o, p in users]
@@ -108,8 +143,13 @@ def plan_model(model: nn.Module, n_shards: int) -> ModelPlan:
                     changed = True
         if changed:
             agreed.clear()
+    return agreed
 
-    plan = ModelPlan(registrations=dict(registrations))
+
+def _plan_layers(candidates: list[_Candidate], agreed: dict[int, int], splitter: Splitter, plan: ModelPlan,
+                 reasons: dict[int, str]) -> dict[int, Split]:
+    """Cut each candidate's parameters by its rule (a tied one once, along its agreed
+    dimension) into `plan.layers`; returns every sharded parameter's Split, by id."""
     splits: dict[int, Split] = {}
     for c in candidates:
         fixed: dict[tuple[int, str], Split] = {}
@@ -129,9 +169,4 @@ def plan_model(model: nn.Module, n_shards: int) -> ModelPlan:
         for sp in layer_plan.params:
             splits[id(getattr(sp.owner, sp.name))] = sp.split
         plan.layers.append(PlannedLayer(c.name, c.module, c.rule, layer_plan))
-
-    for name, module in model.named_modules():
-        own = [p for p in module._parameters.values() if p is not None and id(p) not in splits]
-        if own:
-            plan.replicated[name] = (type(module).__name__, reasons.get(id(module), "no sharding rule for this type"))
-    return plan
+    return splits

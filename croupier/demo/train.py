@@ -173,11 +173,10 @@ def training_columns(info, label_column: str, features: Sequence[str]) -> tuple[
 
 def _loader(opts: TrainOptions, dataset: str, rank: int, world: int, device: torch.device,
             columns: Sequence[str] = ()) -> Loader:
-    s = opts.security()
     return Loader(dataset, servers=list(opts.servers), batch_size=opts.batch_size, rank=rank, world_size=world,
                   seed=opts.seed, ordered=opts.ordered, transform=_resize(opts.image_size) if opts.image_size else None,
                   device=device if device.type != "cpu" else None, pin_memory=device.type == "cuda",
-                  columns=columns, tls=s.tls, tls_ca=s.tls_ca, tls_cert=s.tls_cert, tls_key=s.tls_key, token=s.token)
+                  columns=columns, security=opts.security())
 
 
 def _shard(model: torch.nn.Module) -> torch.nn.Module:
