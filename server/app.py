@@ -32,6 +32,7 @@ from croupier.server.metrics_http import basic_auth_credentials, serve_metrics
 from croupier.server.readers.base import DatasetError
 from croupier.server.access.redact import PathRedactor
 from croupier.server.service.servicer import CroupierService
+from croupier.server.stream.epoch_stream import ServerStreams
 from croupier.server.storage import LocalStore
 from croupier.server.access.tls import check_plaintext_bind, metrics_ssl_context, server_credentials
 
@@ -217,19 +218,25 @@ async def start(config: ServerConfig) -> RunningServer:
         autotuner = Autotuner(config.limits, max_reads=config.max_reads,
                               total_buffered_bytes=config.max_total_buffered_bytes, pinned=config.autotune_pinned)
         metrics.registry.register(autotuner)
-    service = CroupierService(
-        catalog,
-        limits=config.limits,
+    streams = ServerStreams.build(
+        config.limits,
         max_reads=config.max_reads,
         executor=executor,
-        metrics=metrics,
-        max_message_bytes=config.max_message_bytes,
-        admission=StreamAdmission(config.max_streams, config.max_streams_per_client, config.max_streams_per_connection),
+        observer=metrics.reads,
         max_total_buffered_bytes=config.max_total_buffered_bytes,
-        stream_idle_timeout_s=config.stream_idle_timeout_s,
+        max_message_bytes=config.max_message_bytes,
         shared_epochs=config.shared_epochs,
         shared_window_bytes=config.shared_window_bytes,
         autotuner=autotuner,
+    )
+    if streams.shared is not None:
+        metrics.registry.register(streams.shared.stats)
+    service = CroupierService(
+        catalog,
+        streams,
+        metrics=metrics,
+        admission=StreamAdmission(config.max_streams, config.max_streams_per_client, config.max_streams_per_connection),
+        stream_idle_timeout_s=config.stream_idle_timeout_s,
     )
     catalog.on_close = lambda reader: service.trimmer.released()
     service.tokens = tokens

@@ -1,4 +1,5 @@
-"""Server configuration: one dataclass, filled from a YAML file and then from flags."""
+"""Server configuration: one dataclass, and how `croupier serve` fills it from the table of
+options (serve_options.py): defaults < config file (YAML) < environment < flags."""
 
 from __future__ import annotations
 
@@ -10,8 +11,9 @@ from typing import Any
 
 import yaml
 
+from croupier.server.serve_options import ENV_VARS, SERVE_OPTIONS, YAML_KEYS
+from croupier.server.stream.fetch_limits import FetchLimits
 from croupier.server.stream.tuner import TUNED as TUNED_LIMITS  # one given in a config file or flag is pinned
-from croupier.server.stream.dealer import FetchLimits
 
 
 @dataclass(frozen=True)
@@ -164,54 +166,117 @@ _NON_NEGATIVE = (
 )
 
 
-#: Environment variables that fill settings (between the config file and the flags).
-ENV_SETTINGS = {
-    "CROUPIER_TLS_CERT": "tls_cert",
-    "CROUPIER_TLS_KEY": "tls_key",
-    "CROUPIER_TLS_CLIENT_CA": "tls_client_ca",
-    "CROUPIER_TOKENS_FILE": "tokens_file",
-    "CROUPIER_METRICS_TLS_CERT": "metrics_tls_cert",
-    "CROUPIER_METRICS_TLS_KEY": "metrics_tls_key",
-    "CROUPIER_METRICS_AUTH_FILE": "metrics_auth_file",
-}
-
-
-def env_settings(environ: Mapping[str, str]) -> dict[str, str]:
-    """The settings the environment gives (non-empty CROUPIER_* variables of ENV_SETTINGS)."""
-    return {name: environ[var] for var, name in ENV_SETTINGS.items() if environ.get(var)}
-
-
+_DEFAULTS = ServerConfig()
 _LIMIT_FIELDS = {f.name for f in dataclasses.fields(FetchLimits)}
 
 
+def setting_default(name: str) -> Any:
+    """ServerConfig's default of a setting of the table: "port", "limits.chunk_samples",
+    "latency.sigma" (LatencySpec's, the latency being off by default); None where there is
+    none (latency.median_ms, command options)."""
+    part, _, leaf = name.rpartition(".")
+    if part == "latency":
+        default = {f.name: f.default for f in dataclasses.fields(LatencySpec)}[leaf]
+        return None if default is dataclasses.MISSING else default
+    return getattr(getattr(_DEFAULTS, part) if part else _DEFAULTS, leaf, None)
+
+
+def _pinned(already: tuple[str, ...] | set[str], limits: Mapping[str, Any]) -> tuple[str, ...]:
+    """The tuned settings to pin: those pinned already, and the tuned ones of `limits` (given by
+    the operator)."""
+    return tuple(sorted(set(already) | (set(limits) & set(TUNED_LIMITS))))
+
+
+def env_settings(environ: Mapping[str, str]) -> dict[str, str]:
+    """The settings the environment gives: the table's variables (serve_options.ENV_VARS) that
+    are set and not empty."""
+    return {option.name: environ[var] for var, option in ENV_VARS.items() if environ.get(var)}
+
+
+def settings_from_flags(values: Mapping[str, Any]) -> dict[str, Any]:
+    """The settings the command line gives: {option name: flag value} -> {setting: value in
+    ServerConfig's unit}. A value of None (or an empty list) is a flag not given."""
+    settings: dict[str, Any] = {}
+    for option in SERVE_OPTIONS:
+        value = values.get(option.name)
+        if option.command or value is None or value == []:
+            continue
+        if option.convert:
+            value = option.convert(value)
+        elif option.sequence:
+            value = tuple(value)
+        elif option.unit:
+            value = option.unit.to_setting(value)
+        if isinstance(value, float) and type(setting_default(option.name)) is int:
+            value = int(value)  # a fraction on a count or a byte size (2.5 streams, 1.5 MiB) is cut
+        settings[option.name] = value
+    return settings
+
+
+def with_settings(config: ServerConfig, settings: Mapping[str, Any]) -> ServerConfig:
+    """`config` with `settings` (names of the table) over it. A "limits.NAME" replaces that
+    limit alone, and pins it when it is tuned; the latency parts apply when the median is
+    among them (on `config.latency`, or on a new LatencySpec); `storage_options` add to
+    `config`'s."""
+    fields: dict[str, Any] = {}
+    limits: dict[str, Any] = {}
+    latency: dict[str, Any] = {}
+    for name, value in settings.items():
+        part, _, leaf = name.rpartition(".")
+        if part == "limits":
+            limits[leaf] = value
+        elif part == "latency":
+            latency[leaf] = value
+        elif name == "storage_options":
+            fields[name] = {**config.storage_options, **value}
+        else:
+            fields[name] = value
+    if limits:
+        fields["limits"] = dataclasses.replace(config.limits, **limits)
+        fields["autotune_pinned"] = _pinned(config.autotune_pinned, limits)
+    if "median_ms" in latency:
+        base = config.latency or LatencySpec(median_ms=latency["median_ms"])
+        fields["latency"] = dataclasses.replace(base, **latency)
+    return dataclasses.replace(config, **fields)
+
+
+def layered_config(config_file: str | Path | None, environ: Mapping[str, str],
+                   flags: Mapping[str, Any]) -> ServerConfig:
+    """The configuration `croupier serve` runs with: flags > environment > config file >
+    defaults. `flags` maps option names to flag values (None: not given)."""
+    config = load_config_file(config_file) if config_file else ServerConfig()
+    return with_settings(config, {**env_settings(environ), **settings_from_flags(flags)})
+
+
 def config_from_mapping(raw: dict[str, Any], source: str = "config") -> ServerConfig:
-    """Build a ServerConfig from a mapping (a parsed YAML file); unknown keys are errors."""
-    known = {f.name for f in dataclasses.fields(ServerConfig)}
+    """Build a ServerConfig from a mapping (a parsed YAML file) keyed by the table's YAML keys
+    (serve_options.YAML_KEYS; "-" may stand for "_"); an unknown key is an error naming it."""
     values: dict[str, Any] = {}
     limits: dict[str, Any] = {}
     for key, value in raw.items():
         key = key.replace("-", "_")
-        if key in _LIMIT_FIELDS:
+        option = YAML_KEYS.get(key)
+        if option is None:
+            raise ValueError(f"{source}: unknown setting {key!r}; known: {sorted(YAML_KEYS)}")
+        if option.name.startswith("limits."):
             limits[key] = value
         elif key == "limits":
             limits.update({k.replace("-", "_"): v for k, v in value.items()})
         elif key == "latency":
             values["latency"] = None if value is None else LatencySpec(**value)
-        elif key in known:
-            values[key] = tuple(value) if key in ("datasets", "data_roots", "open_services", "autotune_pinned") else value
         else:
-            raise ValueError(f"{source}: unknown setting {key!r}; known: {sorted(known | _LIMIT_FIELDS)}")
+            values[key] = tuple(value) if option.sequence else value
     bad = set(limits) - _LIMIT_FIELDS
     if bad:
         raise ValueError(f"{source}: unknown limit {sorted(bad)[0]!r}; known: {sorted(_LIMIT_FIELDS)}")
     if limits:
         values["limits"] = FetchLimits(**limits)
-        pinned = set(values.get("autotune_pinned", ())) | (set(limits) & set(TUNED_LIMITS))
-        values["autotune_pinned"] = tuple(sorted(pinned))
+        values["autotune_pinned"] = _pinned(values.get("autotune_pinned", ()), limits)
     return ServerConfig(**values)
 
 
 def load_config_file(path: str | Path) -> ServerConfig:
+    """The ServerConfig a YAML file gives (its settings over the defaults)."""
     path = Path(path)
     try:
         raw = yaml.safe_load(path.read_text()) or {}

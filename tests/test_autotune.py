@@ -19,9 +19,11 @@ import urllib.request
 import pyarrow as pa
 import pytest
 
-from croupier.server.stream.tuner import MIN_READS, PROBE_EVERY_S, START_READS, Autotuner, StreamTuner
+from croupier.server.stream.tuner import MIN_READS, PROBE_EVERY_S, START_READS, Autotuner, Phase, StreamTuner
 from croupier.protocol.epoch_plan import EpochPlan
-from croupier.server.stream.dealer import Dealer, FetchLimits, StreamRange
+from croupier.server.stream.dealer import Dealer
+from croupier.server.stream.fetch_limits import FetchLimits
+from croupier.server.stream.rank_batches import StreamRange
 
 from test_scheduler import GatedReader
 
@@ -302,6 +304,37 @@ def test_unknown_pins_are_refused() -> None:
         Autotuner(FetchLimits(), max_reads=10, pinned=("max_batch_size",))
 
 
+def _phases(tuner: StreamTuner, clock: FakeClock, model: Model, decisions: int) -> list[tuple[Phase, int]]:
+    out = []
+    for _ in range(decisions):
+        run(tuner, clock, model, 1)
+        out.append((tuner.phase, tuner.settings.reads))
+    return out
+
+
+def test_growth_fills_the_new_bound_then_is_judged_on_two_periods_then_tracks() -> None:
+    _, tuner, clock = make()
+    assert tuner.phase is Phase.TRACKING
+    F, J = Phase.FILLING, Phase.JUDGING
+    # Held back by the bound: each growth is one period filling, two judged, then the next.
+    assert _phases(tuner, clock, Model(0.02, 20_000), 7) == [
+        (F, 32), (J, 32), (J, 32), (F, 64), (J, 64), (J, 64), (F, 128)]
+
+
+def test_a_latency_probe_halves_the_bound_for_one_measured_period_then_restores_it() -> None:
+    _, tuner, clock = make()
+    model = Model(0.02, 3_000, cpu_cap=3_000, cap_is_loop=False)  # every read queues
+    for _ in range(600):
+        before, reads = tuner.probes, tuner.settings.reads
+        run(tuner, clock, model, 1)
+        if tuner.probes > before:
+            break
+    assert tuner.probes == before + 1 and (tuner.phase, tuner.settings.reads) == (Phase.FILLING, reads // 2)
+    assert _phases(tuner, clock, model, 3) == [
+        (Phase.PROBING, reads // 2), (Phase.FILLING, reads), (Phase.TRACKING, reads)]
+    assert tuner.probes == before + 1
+
+
 # ---- the Dealer under a real tuner --------------------------------------------------
 
 async def _drain(dealer: Dealer) -> list[int]:
@@ -423,8 +456,9 @@ def test_decode_workers_grow_while_the_trainer_waits_on_decode_and_shrink_when_i
 
 def test_decode_workers_given_are_pinned() -> None:
     from croupier.client.loader import Loader
+    from croupier.client.samples import ImageDecoding
 
-    loader = Loader("x", batch_size=4, decode_workers=3)
+    loader = Loader("x", batch_size=4, decoding=ImageDecoding(workers=3))
     assert loader.decode_tuner is None and loader.decode_workers == 3
     auto = Loader("x", batch_size=4)
     assert auto.decode_tuner is not None and auto.decode_workers == auto.decode_tuner.workers

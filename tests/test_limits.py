@@ -20,14 +20,14 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from croupier.client import Loader, LoaderError
+from croupier.client import Loader, LoaderError, RetryPolicy
 from croupier.client.connection import CHANNEL_OPTIONS, LIMIT_METADATA_KEY
 from croupier.server.config import ServerConfig
-from croupier.server.stream.fairshare import FairShare
+from croupier.server.stream.budgets import FairShare
 from croupier.server.access.identity import peer_host
 from croupier.server.access.limits import StreamAdmission
 from croupier.protocol.epoch_plan import EpochPlan, Permutation
-from croupier.server.stream.dealer import FetchLimits
+from croupier.server.stream.fetch_limits import FetchLimits
 from croupier.v1 import croupier_pb2 as pb
 from croupier.v1 import croupier_pb2_grpc as pb_grpc
 
@@ -264,7 +264,8 @@ def test_loader_retries_a_limit_refusal_with_backoff_and_reports_it(serve_inproc
         return ch, call
 
     ch, call = st.call(hold())  # the server's one stream, held on the server's own loop
-    loader = Loader("blobs", servers=st.address, batch_size=10, max_retries=2, retry_backoff_s=0.01)
+    loader = Loader("blobs", servers=st.address, batch_size=10,
+                    retry=RetryPolicy(max_retries=2, initial_backoff_s=0.01))
     t0 = time.monotonic()
     with pytest.raises(LoaderError, match=r"gave up after 2 retries.*max_streams=1.*--max-streams") as err:
         list(loader)
@@ -318,7 +319,8 @@ def test_a_stream_whose_client_stops_reading_is_ended_and_its_buffers_freed(serv
 def test_a_paused_loader_resumes_after_an_idle_timeout_with_every_sample_once(serve_inprocess, tmp_path) -> None:
     data = write_blobs(tmp_path / "blobs.arrow", 3000, 8192)
     st = serve_inprocess(datasets=[f"blobs={data}"], stream_idle_timeout_s=0.3)
-    loader = Loader("blobs", servers=st.address, batch_size=50, retry_backoff_s=0.01, buffer_batches=1)
+    loader = Loader("blobs", servers=st.address, batch_size=50, retry=RetryPolicy(initial_backoff_s=0.01),
+                    buffer_batches=1)
     got: list[int] = []
     for k, b in enumerate(loader.batches()):
         got.extend(int(i) for i in b.indices)
@@ -381,7 +383,7 @@ def test_the_server_wide_buffer_budget_bounds_stalled_streams_and_others_still_m
 
 def test_a_batch_over_max_batch_size_is_refused_at_once_and_not_retried(serve_inprocess) -> None:
     st = serve_inprocess(datasets=["big=synthetic:20000000:8"])
-    loader = Loader("big", servers=st.address, batch_size=20_000_000, retry_backoff_s=0.01)
+    loader = Loader("big", servers=st.address, batch_size=20_000_000, retry=RetryPolicy(initial_backoff_s=0.01))
     with pytest.raises(LoaderError, match=r"batch_size 20000000.*max_batch_size=262144.*--max-batch-size") as err:
         next(iter(loader))
     assert err.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
@@ -530,8 +532,8 @@ def test_the_loader_resumes_across_a_connection_age_cutover(serve_process, tmp_p
     # The client pings every second, as often as this server allows: no GOAWAY too_many_pings.
     server = serve_process([f"blobs={data}", "--max-connection-age", "0.5", "--max-connection-age-grace", "0.3",
                             "--min-client-ping-interval", "1", "--prefetch", "1"])
-    loader = Loader("blobs", servers=server.address, batch_size=30, retry_backoff_s=0.01, buffer_batches=1,
-                    channel_options=[("grpc.keepalive_time_ms", 1000)])
+    loader = Loader("blobs", servers=server.address, batch_size=30, retry=RetryPolicy(initial_backoff_s=0.01),
+                    buffer_batches=1, channel_options=[("grpc.keepalive_time_ms", 1000)])
     got: list[int] = []
     for b in loader.batches():
         got.extend(int(i) for i in b.indices)
@@ -585,7 +587,8 @@ def test_thousands_of_stalled_streams_cost_no_cpu_and_another_client_gets_its_ep
     assert _metric(server.metrics_port, "croupier_active_streams") == per_client
 
     # Another client (::1) reads a whole epoch meanwhile: every sample exactly once.
-    loader = Loader("blobs", servers=f"[::1]:{server.port}", batch_size=25, seed=7, retry_backoff_s=0.05)
+    loader = Loader("blobs", servers=f"[::1]:{server.port}", batch_size=25, seed=7,
+                    retry=RetryPolicy(initial_backoff_s=0.05))
     got = epoch_indices(loader)
     loader.close()
     assert sorted(got) == list(range(rows))

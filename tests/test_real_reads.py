@@ -22,7 +22,9 @@ from stores import WrappedStore
 
 from croupier.protocol.epoch_plan import EpochPlan
 from croupier.server.readers import open_dataset
-from croupier.server.stream.dealer import Dealer, FetchLimits, StreamRange
+from croupier.server.stream.dealer import Dealer
+from croupier.server.stream.fetch_limits import FetchLimits
+from croupier.server.stream.rank_batches import StreamRange
 from croupier.server.storage import LocalStore
 from croupier.server.storage.base import Range
 from readers_data import write_imagefolder

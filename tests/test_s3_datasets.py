@@ -14,8 +14,8 @@ from pathlib import Path
 import grpc
 import pytest
 
-from croupier.client import Loader, LoaderError
-from croupier.server.stream.dealer import FetchLimits
+from croupier.client import Loader, LoaderError, RetryPolicy
+from croupier.server.stream.fetch_limits import FetchLimits
 from croupier.server.storage.urls import clear_cache
 from readers_data import expected_pixel, expected_row, write_arrow_folder, write_hf_dataset, write_imagefolder
 from readers_data import write_parquet, write_webdataset
@@ -74,7 +74,7 @@ def test_every_format_streams_from_s3_exactly_once_per_epoch(
     url = f"s3://{bucket}/data/ds"
     before = own_backend.server.stats()["requests"]  # type: ignore[union-attr]
     srv = serve_inprocess(datasets=[f"ds={url}"], cache_dir=str(tmp_path / "cache"))
-    loader = Loader("ds", servers=srv.address, batch_size=16, max_retries=0)
+    loader = Loader("ds", servers=srv.address, batch_size=16, retry=RetryPolicy(max_retries=0))
     for epoch in (0, 1):
         loader.set_epoch(epoch)
         seen: list[int] = []
@@ -98,7 +98,7 @@ def test_arrow_from_moto_s3_server(tmp_path: Path, moto_backend: S3Backend, aws_
     bucket = moto_backend.make_bucket()
     _upload(moto_backend, tmp_path / "local", bucket, "ds")
     srv = serve_inprocess(datasets=[f"ds=s3://{bucket}/ds"])
-    loader = Loader("ds", servers=srv.address, batch_size=8, max_retries=0)
+    loader = Loader("ds", servers=srv.address, batch_size=8, retry=RetryPolicy(max_retries=0))
     rows = [row for batch in loader.batches() for row in batch.data["id"].tolist()]
     assert sorted(rows) == list(range(60))
 
@@ -115,7 +115,8 @@ def test_a_bucket_deleted_mid_epoch_fails_its_stream_clearly_and_the_server_goes
     # Reads wait for the trainer (a few in flight, little buffered): most happen after the drop.
     limits = FetchLimits(max_reads_per_stream=4, max_buffered_bytes=1, chunk_samples=4, default_prefetch=0)
     srv = serve_inprocess(datasets=[f"imgs=s3://{doomed}/imgs", f"rows=s3://{kept}/rows"], limits=limits)
-    loader = Loader("imgs", servers=srv.address, batch_size=8, prefetch=0, max_retries=0, buffer_batches=1)
+    loader = Loader("imgs", servers=srv.address, batch_size=8, prefetch=0, retry=RetryPolicy(max_retries=0),
+                    buffer_batches=1)
     seen = 0
     with pytest.raises(LoaderError) as failed:
         for batch in loader.batches():
@@ -129,5 +130,5 @@ def test_a_bucket_deleted_mid_epoch_fails_its_stream_clearly_and_the_server_goes
     assert "<imgs>/a/" in message and f"s3://{doomed}" not in message
     assert "NoSuch" in message or "does not exist" in message or "No such" in message
     # The server is up and its other dataset streams whole.
-    rows = Loader("rows", servers=srv.address, batch_size=10, max_retries=0)
+    rows = Loader("rows", servers=srv.address, batch_size=10, retry=RetryPolicy(max_retries=0))
     assert sorted(i for b in rows.batches() for i in b.data["id"].tolist()) == list(range(50))

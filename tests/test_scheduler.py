@@ -9,7 +9,10 @@ import pytest
 
 from croupier.protocol.epoch_plan import EpochPlan
 from croupier.server.readers.synthetic import SyntheticReader
-from croupier.server.stream.dealer import ChunkTooLargeError, Dealer, FetchLimits, ReadBudget, StreamRange
+from croupier.server.stream.budgets import ReadBudget
+from croupier.server.stream.dealer import ChunkTooLargeError, Dealer
+from croupier.server.stream.fetch_limits import FetchLimits
+from croupier.server.stream.rank_batches import StreamRange
 
 
 class GatedReader(SyntheticReader):

@@ -283,26 +283,6 @@ def principal_of(context: grpc.aio.ServicerContext, tokens: TokenStore | None) -
     return tokens.lookup(bearer_token(context.invocation_metadata()) or "")
 
 
-def caller_identity(context: grpc.aio.ServicerContext, tokens: TokenStore | None) -> str:
-    """A stable name for the caller, to key per-client limits and logs on:
-    "token:NAME" when tokens are on, else "cert:CN" for a verified client certificate
-    (mutual TLS), else "peer:HOST" (the client's address without its port)."""
-    principal = principal_of(context, tokens)
-    if principal is not None:
-        return f"token:{principal.name}"
-    try:
-        auth = context.auth_context() or {}
-    except Exception:  # not every context type has one
-        auth = {}
-    cn = auth.get("x509_common_name") or []
-    if cn:
-        value = cn[0]
-        return "cert:" + (value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value))
-    from croupier.server.access.identity import peer_host
-
-    return f"peer:{peer_host(context.peer() or 'unknown')}"  # the address without its port
-
-
 def check_scope(principal: Principal | None, dataset: str) -> None:
     """Raise ScopeError when `principal` may not read `dataset` (nothing is opened first,
     so the answer says nothing of whether it exists)."""

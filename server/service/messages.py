@@ -6,7 +6,8 @@ from croupier.v1 import croupier_pb2 as pb
 
 from croupier.protocol.epoch_plan import EpochPlan
 from croupier.server.readers.base import DatasetInfo, ImagePayload, TablePayload
-from croupier.server.stream.dealer import Chunk, StreamRange
+from croupier.server.stream.rank_batches import StreamRange
+from croupier.server.stream.sample_chunks import SampleChunk
 
 _KIND = {"table": pb.DATASET_KIND_TABLE, "image": pb.DATASET_KIND_IMAGE}
 
@@ -39,7 +40,7 @@ def header_to_proto(info: DatasetInfo, plan: EpochPlan, span: StreamRange) -> pb
     )
 
 
-def chunk_to_proto(chunk: Chunk, epoch: int) -> pb.StreamEpochResponse:
+def chunk_to_proto(chunk: SampleChunk, epoch: int) -> pb.StreamEpochResponse:
     refs = chunk.refs
     msg = pb.Chunk(
         epoch=epoch,

@@ -1,4 +1,5 @@
-"""The gRPC servicer: translates requests into catalog, planner and scheduler calls.
+"""The gRPC servicer: translates requests into calls on the catalog and the stream layer
+(server/stream/epoch_stream.py), and what they return into messages (messages.py).
 
 Every failure a client can cause maps to a status whose message names the value, file
 or index at fault; the server and its other streams carry on.
@@ -7,9 +8,9 @@ or index at fault; the server and its other streams carry on.
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import logging
 import time
+from dataclasses import dataclass
 
 import grpc
 
@@ -17,20 +18,22 @@ from croupier.protocol.options import StreamOptions
 from croupier.v1 import croupier_pb2 as pb
 from croupier.v1 import croupier_pb2_grpc as pb_grpc
 
-from croupier.server.stream.tuner import Autotuner
 from croupier.server.access.auth import Principal, ScopeError, TokenStore, check_scope, path_under_roots, principal_of
-from croupier.server.catalog import Catalog, DatasetUnavailableError, UnknownDatasetError
-from croupier.server.service.messages import chunk_to_proto, dataset_info_to_proto, header_to_proto
 from croupier.server.access.identity import client_identity, connection_identity
 from croupier.server.access.limits import LIMIT_METADATA_KEY, LimitExceeded, StreamAdmission, StreamIdleError
-from croupier.server.stream.fairshare import FairShare
-from croupier.server.stream.memory_trim import MemoryTrimmer
-from croupier.server.metrics import ServerMetrics
-from croupier.protocol.epoch_plan import BatchRangeError, EpochPlan, PlanError
-from croupier.server.readers.base import DatasetError, DatasetInfo, MemberOutsideRootsError, OutsideRootsError, Reader, UnknownColumnError
 from croupier.server.access.redact import PathRedactor
-from croupier.server.stream.dealer import BufferBudget, ChunkTooLargeError, Dealer, FetchLimits, ReadBudget, StreamRange
-from croupier.server.stream.shared_epochs import DEFAULT_WINDOW_BYTES, SharedEpochs
+from croupier.server.catalog import Catalog, DatasetUnavailableError, UnknownDatasetError
+from croupier.server.metrics import ServerMetrics
+from croupier.server.readers.base import DatasetError, DatasetInfo, MemberOutsideRootsError, OutsideRootsError, Reader, UnknownColumnError
+from croupier.server.service.messages import chunk_to_proto, dataset_info_to_proto, header_to_proto
+from croupier.server.stream.budgets import BufferBudget
+from croupier.server.stream.dealer import ChunkTooLargeError
+from croupier.server.stream.epoch_stream import EpochStream, ServerStreams, open_epoch_stream
+from croupier.server.stream.memory_trim import MemoryTrimmer
+from croupier.server.stream.rank_batches import StreamRange
+from croupier.server.stream.shared_epochs import SharedEpochs
+from croupier.server.stream.tuner import Autotuner
+from croupier.protocol.epoch_plan import BatchRangeError, EpochPlan, PlanError
 
 log = logging.getLogger("croupier.server")
 
@@ -77,16 +80,15 @@ def _check_name(name: str) -> None:
         raise RequestTooLargeError(f"dataset name of {len(name):,} characters is too long (at most {MAX_NAME_CHARS:,})")
 
 
-def _check_columns(info, columns) -> None:
-    """Refuse unknown columns before the stream starts, not at its first chunk."""
-    if not columns:
-        return
-    if info.kind != "table":
-        raise UnknownColumnError(f"{info.kind} dataset {info.name!r} has no columns to select")
-    names = [c.name for c in info.columns]
-    missing = [c for c in columns if c not in names]
-    if missing:
-        raise UnknownColumnError(f"dataset {info.name!r} has no column {missing[0]!r}; columns: {names}")
+@dataclass
+class _StreamCall:
+    """One StreamEpoch call's bookkeeping: its name in logs, the dataset it asked for,
+    the reader it holds, and how it ended (None: a failure, counted when reported)."""
+
+    what: str
+    asked: str
+    reader: Reader | None = None
+    outcome: str | None = "CANCELLED"  # unless the stream ends or aborts
 
 
 class _IdleWatch:
@@ -137,46 +139,37 @@ class CroupierService(pb_grpc.CroupierServicer):
     def __init__(
         self,
         catalog: Catalog,
+        streams: ServerStreams,
         *,
-        limits: FetchLimits,
-        max_reads: int,
-        executor: concurrent.futures.Executor,
         metrics: ServerMetrics,
-        max_message_bytes: int | None = None,
         admission: StreamAdmission | None = None,
-        max_total_buffered_bytes: int = 0,
         stream_idle_timeout_s: float = 0.0,
-        shared_epochs: bool = True,
-        shared_window_bytes: int = DEFAULT_WINDOW_BYTES,
-        autotuner: Autotuner | None = None,
     ):
         self.catalog = catalog
-        self.limits = limits
+        #: What every stream shares: budgets, shared epochs, the autotuner (server/stream/epoch_stream.py).
+        self.streams = streams
         self.admission = admission or StreamAdmission(0, 0, 0)
-        self.server_buffer = BufferBudget(max_total_buffered_bytes) if max_total_buffered_bytes else None
         self.stream_idle_timeout_s = stream_idle_timeout_s
-        #: Per-stream tuning of reads in flight, prefetch, chunks (None: --no-autotune).
-        self.autotuner = autotuner
-        self.trimmer = MemoryTrimmer(executor)
-        # Encode turns by client: as many as the executor has threads.
-        self.fair = FairShare(getattr(executor, "_max_workers", 4))
+        self.trimmer = MemoryTrimmer(streams.executor)
         # limit name -> (monotonic time of its last log line, refusals not logged since)
         self._refusal_log: dict[str, tuple[float, int]] = {}
-        #: The server's gRPC send limit: chunks are split to stay under it.
-        self.max_message_bytes = max_message_bytes
-        self.server_reads = ReadBudget(max_reads)
-        self.executor = executor
         self.metrics = metrics
         self.active: set[asyncio.Task] = set()
-        #: Streams of the same rank of the same epoch share reads (server/stream/shared_epochs.py).
-        self.shared = SharedEpochs(
-            window_bytes=shared_window_bytes, limits=limits, server_reads=self.server_reads,
-            server_buffer=self.server_buffer, executor=executor, observer=metrics.reads, autotuner=autotuner,
-        ) if shared_epochs else None
-        if self.shared is not None:
-            metrics.registry.register(self.shared.stats)
         #: Set by a graceful stop: open streams finish, new ones go to another replica.
         self.draining = False
+
+    # The stream layer's server-wide parts, as the servicer's (metrics and tests read them).
+    @property
+    def shared(self) -> SharedEpochs | None:
+        return self.streams.shared
+
+    @property
+    def server_buffer(self) -> BufferBudget | None:
+        return self.streams.server_buffer
+
+    @property
+    def autotuner(self) -> Autotuner | None:
+        return self.streams.autotuner
 
     async def _abort(self, context: grpc.aio.ServicerContext, exc: BaseException, what: str,
                      asked: str = "") -> None:
@@ -266,97 +259,76 @@ class CroupierService(pb_grpc.CroupierServicer):
         return self._info(reader.info())
 
     async def StreamEpoch(self, request: pb.StreamEpochRequest, context: grpc.aio.ServicerContext) -> None:
-        # Written with context.write (not a generator) so that a write blocked on a
-        # client that stopped reading can time out and end the stream with a status.
+        """request -> an epoch stream (server/stream/epoch_stream.py) -> a header, then its chunks.
+
+        Written with context.write (not a generator) so that a write blocked on a client
+        that stopped reading can time out and end the stream with a status."""
         if self.draining:
             self.metrics.streams_total.labels("UNAVAILABLE").inc()
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the server is draining (shutting down): "
                                 "ask another replica, or this one once it is back")
         opts = StreamOptions.from_proto(request)
-        what = f"StreamEpoch({shorten(repr(opts.dataset), 200)} rank {opts.rank}/{opts.world_size} epoch {opts.epoch})"
+        call = _StreamCall(f"StreamEpoch({shorten(repr(opts.dataset), 200)} rank {opts.rank}/{opts.world_size} "
+                           f"epoch {opts.epoch})", opts.dataset)
         try:
             ticket = self.admission.admit(client_identity(context, self.tokens), connection_identity(context))
         except LimitExceeded as exc:
-            await self._abort(context, exc, what)
+            await self._abort(context, exc, call.what)
         self.metrics.active_streams.inc()
         task = asyncio.current_task()
         if task is not None:
             self.active.add(task)
-        outcome = "CANCELLED"  # unless the stream ends or aborts below
-        reader = None
-        tuner = None
         try:
-            try:
-                _check_name(opts.dataset)
-                reader = await self._open(opts.dataset, context, hold=True)
-                plan = EpochPlan(
-                    num_rows=len(reader),
-                    seed=opts.seed,
-                    epoch=opts.epoch,
-                    batch_size=opts.batch_size,
-                    world_size=opts.world_size,
-                    drop_last=opts.drop_last,
-                )
-                span = StreamRange.of(plan, opts.rank, opts.start_batch, opts.end_batch)
-                _check_columns(reader.info(), opts.columns)
-                if self.autotuner is not None and not opts.ordered:
-                    tuner = self.autotuner.stream(batch_size=plan.batch_size, requested_prefetch=opts.prefetch or None,
-                                                  name=what)
-                dealer = Dealer(
-                    reader,
-                    plan,
-                    span,
-                    ordered=opts.ordered,
-                    prefetch=opts.prefetch or None,
-                    columns=opts.columns,
-                    decode_images=opts.decode_images,
-                    limits=self.limits,
-                    server_reads=self.server_reads,
-                    server_buffer=self.server_buffer,
-                    executor=self.executor,
-                    observer=self.metrics.reads,
-                    max_message_bytes=self.max_message_bytes,
-                    fair=self.fair,
-                    lane=ticket.client,
-                    tuner=tuner,
-                )
-            except (LookupError, DatasetError, PlanError, OSError, LimitExceeded) as exc:
-                outcome = None
-                await self._abort(context, exc, what, opts.dataset)
-            name = reader.name
-            writer = _IdleWatch(context, self.stream_idle_timeout_s)
-            chunks = aiter(dealer) if self.shared is None else self.shared.stream(dealer)
-            try:
-                await writer.write(self._header(reader, plan, span))
-                async for chunk in chunks:
-                    await writer.write(chunk_to_proto(chunk, plan.epoch))
-                    self.metrics.samples.labels(name).inc(len(chunk.refs))
-                    self.metrics.bytes.labels(name).inc(chunk.payload.nbytes)
-                    self.metrics.chunks.labels(name).inc()
-                    self.metrics.batches.labels(name).inc(len(chunk.completed_batches))
-            except StreamIdleError as exc:
-                outcome = None
-                self._end(context, exc, what)
-                return
-            except (DatasetError, OSError, ChunkTooLargeError) as exc:
-                outcome = None
-                await self._abort(context, exc, what, opts.dataset)
-            finally:
-                await chunks.aclose()
-            outcome = "OK"
+            stream = await self._open_stream(context, opts, ticket.client, call)
+            await self._send(context, stream, call)
         finally:
-            # A client that goes away cancels this task; the dealer's own cleanup
-            # (aclose above) has then cancelled this stream's reads, nothing else.
-            if tuner is not None:
-                tuner.close()
-            if reader is not None:
-                self.catalog.release(reader)
+            # A client that goes away cancels this task; the stream's own cleanup
+            # (aclose in _send) has then cancelled this stream's reads, nothing else.
+            if call.reader is not None:
+                self.catalog.release(call.reader)
             self.admission.release(ticket)
             self.trimmer.released()
-            if outcome is not None:
-                self.metrics.streams_total.labels(outcome).inc()
-            if outcome == "CANCELLED":
-                log.info("%s: cancelled by the client or by shutdown", what)
+            if call.outcome is not None:
+                self.metrics.streams_total.labels(call.outcome).inc()
+            if call.outcome == "CANCELLED":
+                log.info("%s: cancelled by the client or by shutdown", call.what)
             self.metrics.active_streams.dec()
             if task is not None:
                 self.active.discard(task)
+
+    async def _open_stream(self, context: grpc.aio.ServicerContext, opts: StreamOptions, lane: str,
+                           call: _StreamCall) -> EpochStream:
+        """The dataset (held for the stream's lifetime) and the stream on it; a failure
+        ends the call with its status."""
+        try:
+            _check_name(opts.dataset)
+            call.reader = await self._open(opts.dataset, context, hold=True)
+            return open_epoch_stream(call.reader, opts, self.streams, lane=lane, name=call.what)
+        except (LookupError, DatasetError, PlanError, OSError, LimitExceeded) as exc:
+            call.outcome = None
+            await self._abort(context, exc, call.what, call.asked)
+            raise  # not reached: abort raises
+
+    async def _send(self, context: grpc.aio.ServicerContext, stream: EpochStream, call: _StreamCall) -> None:
+        """The header, then every chunk, each counted; a failure while sending ends the
+        call with its status, a client that reads nothing for too long with its own."""
+        name = stream.reader.name
+        writer = _IdleWatch(context, self.stream_idle_timeout_s)
+        try:
+            await writer.write(self._header(stream.reader, stream.plan, stream.span))
+            async for chunk in stream:
+                await writer.write(chunk_to_proto(chunk, stream.plan.epoch))
+                self.metrics.samples.labels(name).inc(len(chunk.refs))
+                self.metrics.bytes.labels(name).inc(chunk.payload.nbytes)
+                self.metrics.chunks.labels(name).inc()
+                self.metrics.batches.labels(name).inc(len(chunk.completed_batches))
+        except StreamIdleError as exc:
+            call.outcome = None
+            self._end(context, exc, call.what)
+            return
+        except (DatasetError, OSError, ChunkTooLargeError) as exc:
+            call.outcome = None
+            await self._abort(context, exc, call.what, call.asked)
+        finally:
+            await stream.aclose()
+        call.outcome = "OK"

@@ -55,10 +55,13 @@ from croupier.server.stream.tuner import Autotuner
 from croupier.protocol.epoch_plan import EpochPlan
 from croupier.server.readers.base import Reader
 from croupier.server.readers.latency import TICK_S
-from croupier.server.stream.dealer import (
-    BufferBudget, Dealer, FetchLimits, FetchObserver, ReadBudget, SampleRef, StreamRange, _NoObserver, _Pending,
-    _TimerWheel, plan_batches,
-)
+from croupier.server.stream.budgets import BufferBudget, ReadBudget
+from croupier.server.stream.dealer import Dealer
+from croupier.server.stream.fetch_limits import FetchLimits
+from croupier.server.stream.rank_batches import StreamRange, plan_batches
+from croupier.server.stream.read_observer import FetchObserver, NoObserver
+from croupier.server.stream.sample_chunks import PendingChunk, SampleRef
+from croupier.server.stream.timer_wheel import TimerWheel
 
 log = logging.getLogger("croupier.server.shared")
 
@@ -178,7 +181,7 @@ class SharedEpoch:
         self.reads = 0
         self.delivered = 0
         self.moved = asyncio.Event()
-        self.timers = _TimerWheel(asyncio.get_running_loop())
+        self.timers = TimerWheel(asyncio.get_running_loop())
         self.tasks: set[asyncio.Task[None]] = set()
         self.issuer = asyncio.get_running_loop().create_task(self._issue())
         self.issuer.add_done_callback(self._issuer_done)
@@ -465,7 +468,7 @@ class SharedEpochs:
         self.server_reads = server_reads
         self.server_buffer = server_buffer
         self.executor = executor
-        self.observer = observer or _NoObserver()
+        self.observer = observer or NoObserver()
         self.autotuner = autotuner
         self.stats = SharedStats()
         self.open: dict[Hashable, SharedEpoch] = {}
@@ -563,7 +566,7 @@ class Subscriber:
             async for chunk in own:
                 yield chunk
 
-    def _take(self, epoch: SharedEpoch, pending: _Pending, limit: int) -> None:
+    def _take(self, epoch: SharedEpoch, pending: PendingChunk, limit: int) -> None:
         """Move what the window holds of this subscriber's horizon into `pending`, oldest
         batch first, until the chunk is full."""
         limits = epoch.limits
@@ -602,7 +605,7 @@ class Subscriber:
     async def _shared(self, epoch: SharedEpoch) -> AsyncIterator:
         loop = asyncio.get_running_loop()
         dealer = self.dealer
-        pending = _Pending()
+        pending = PendingChunk()
         starved = 0.0
         while True:
             limits = epoch.limits
@@ -626,7 +629,7 @@ class Subscriber:
                 continue
             chunks = await dealer.encode_chunks(pending.refs, pending.items, pending.completed)
             nbytes = pending.nbytes
-            pending = _Pending()
+            pending = PendingChunk()
             for chunk in chunks:
                 yield chunk
                 for ref in chunk.refs:

@@ -66,6 +66,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import enum
 import logging
 import math
 import statistics
@@ -75,7 +76,7 @@ from dataclasses import dataclass
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from croupier.server.stream.dealer import FetchLimits
+from croupier.server.stream.fetch_limits import FetchLimits
 
 log = logging.getLogger("croupier.autotune")
 
@@ -135,6 +136,41 @@ class Settings:
                 f"flush {self.flush_delay_s * 1000:g} ms")
 
 
+class Phase(enum.Enum):
+    """The phases of the reads-in-flight bound's controller, one step per decision period.
+
+    Every change of the bound goes through FILLING (its period fills the new bound and is
+    not measured) into the phase it was made for: growth into JUDGING, a probe's halving
+    into PROBING, anything else (a cap, a shrink, a tighter ceiling, a probe's end) into
+    TRACKING; a change that leaves the bound where it was skips FILLING. JUDGING returns
+    to TRACKING once it has judged; a probe may start in any measured phase (TRACKING,
+    JUDGING) once every read queued for PROBE_EVERY_S.
+    """
+
+    #: Little's law on the storage's own latency sets the bound (grow, shrink, obey a tighter ceiling).
+    TRACKING = "tracking"
+    #: The period right after the bound changed fills the new bound: not a measurement.
+    FILLING = "filling"
+    #: Growth is judged on JUDGE_PERIODS measured periods at the new bound against the old.
+    JUDGING = "judging"
+    #: The bound is halved for one measured period (BBR's min-RTT probe), then restored.
+    PROBING = "probing"
+
+
+@dataclass
+class _Measured:
+    """One period's measurements, as the phase methods read them. Judging growth swaps
+    in the level's rate and latency for the tracking that follows it."""
+
+    rate: float
+    lat: float
+    base: float
+    ceiling: int
+    supply_bound: bool
+    loop_busy: float
+    now: float
+
+
 def _pow2_floor(x: float) -> int:
     return 1 << max(0, int(math.floor(math.log2(max(x, 1.0)))))
 
@@ -182,7 +218,10 @@ class StreamTuner:
         self._period: tuple[int, float, int, float] = (0, 0.0, 0, 0.0)
         self._paid: int | None = None  # reads at the last growth that raised the rate
         self._shrink_votes = 0
-        self._hold = False
+        #: Where the reads-in-flight bound's controller is (see `Phase`), and where it goes
+        #: once a new bound has filled.
+        self.phase = Phase.TRACKING
+        self._after_fill = Phase.TRACKING
         self._chunk_vote: int | None = None
         self._flush_vote: float | None = None
         self._t = clock()
@@ -304,31 +343,51 @@ class StreamTuner:
         return min((lat for _, lat in self._latencies), default=self.latency_s or 0.0)
 
     def _reads(self, cur: int, rate: float, supply_bound: bool, loop_busy: float, now: float) -> int:
-        lat = self.latency_s or 0.0
-        base = self.base_latency(now)
-        ceiling = self.ceiling()
-        if self._hold:  # the period right after a change fills the new bound: not a measurement
-            self._hold = False
-            return min(cur, ceiling)
-        if self._probe_from is not None:  # the probe's period was measured (and is in the base)
-            back, self._probe_from = self._probe_from, None
-            self._unqueued_at, self._probing = now, True
-            return self._changed(min(back, ceiling))
+        """The reads-in-flight bound for the next period: one step of the phase machine
+        (`Phase`). Filling and the end of a probe are not measured; every other period is
+        (it joins the level, may start a probe, may lift or drop the cap), then growth is
+        judged or Little's law tracked."""
+        m = _Measured(rate=rate, lat=self.latency_s or 0.0, base=self.base_latency(now), ceiling=self.ceiling(),
+                      supply_bound=supply_bound, loop_busy=loop_busy, now=now)
+        if self.phase is Phase.FILLING:
+            self.phase = self._after_fill
+            return min(cur, m.ceiling)
+        if self.phase is Phase.PROBING:
+            return self._end_probe(m)
         self._level.append(self._period)
-        if self._period_lat <= base * QUEUED_LATENCY:
+        if self._period_lat <= m.base * QUEUED_LATENCY:
             self._unqueued_at = now
         elif now - self._unqueued_at >= PROBE_EVERY_S and cur > MIN_READS:
-            # Every read queued for a while: the base may be stale (or hold our own queueing
-            # once its window passes). Half the bound for one measured period says.
-            self._probe_from, self._grew_from, self._strikes = cur, None, 0
-            self.probes += 1
-            self.server.probes += 1
-            self._probing = True
-            return self._changed(max(MIN_READS, cur // 2))
-        if self.cap is not None and not 0.5 <= base / max(self._cap_base, 1e-9) <= 2.0:
+            return self._start_probe(cur)
+        self._revise_cap(cur, m)
+        if self.phase is Phase.JUDGING:
+            judged = self._judge_growth(cur, m)
+            if judged is not None:
+                return judged
+        return self._track(cur, m)
+
+    def _start_probe(self, cur: int) -> int:
+        """Every read queued for PROBE_EVERY_S: the base may be stale (or hold our own
+        queueing once its window passes). Half the bound for one measured period says."""
+        self._probe_from, self._grew_from, self._strikes = cur, None, 0
+        self.probes += 1
+        self.server.probes += 1
+        self._probing = True
+        return self._changed(max(MIN_READS, cur // 2), then=Phase.PROBING)
+
+    def _end_probe(self, m: _Measured) -> int:
+        """The probe's period was measured (and is in the base): back to the bound before."""
+        back, self._probe_from = self._probe_from, None
+        self._unqueued_at, self._probing = m.now, True
+        return self._changed(min(back, m.ceiling), then=Phase.TRACKING)
+
+    def _revise_cap(self, cur: int, m: _Measured) -> None:
+        """Drop the cap when the storage changed; lift it after CAP_LIFT_AFTER (or more)
+        periods held back at it with reads at the storage's own latency."""
+        if self.cap is not None and not 0.5 <= m.base / max(self._cap_base, 1e-9) <= 2.0:
             self.cap, self._strikes, self._lift_after = None, 0, CAP_LIFT_AFTER  # the storage changed
-        if (self.cap is not None and cur >= self.cap and supply_bound and lat <= base * QUEUED_LATENCY
-                and rate >= self._cap_rate * PLATEAU_GAIN):
+        if (self.cap is not None and cur >= self.cap and m.supply_bound and m.lat <= m.base * QUEUED_LATENCY
+                and m.rate >= self._cap_rate * PLATEAU_GAIN):
             # Held back at the cap, yet reads take the storage's own time and the rate has
             # risen since the cap was set: the plateau was learnt under a load that has gone,
             # so growth may pay again. (At a cap of 1.25x the knee reads need not queue, so
@@ -339,59 +398,68 @@ class StreamTuner:
                 self.cap, self._strikes, self._unqueued = None, 0, 0
         else:
             self._unqueued = 0
-        # Did the last growth pay? Measured on the first JUDGE_PERIODS periods at the new bound.
-        if self._grew_from is not None:
-            if len(self._level) < JUDGE_PERIODS:
-                return cur
-            before_reads, before_rate, before_lat = self._grew_from
-            self._grew_from = None
-            rate, lat = self._level_rate(rate, lat)
-            flat = rate < before_rate * PLATEAU_GAIN
-            # Queueing: more reads in flight, the same rate, each read slower (Little's law).
-            # Latency measured under it grows with the bound, so the target (rate x latency)
-            # would chase it to the ceiling; a held-back stream whose rate stays flat is the
-            # same plateau seen from the sender.
-            queued = flat and lat >= before_lat * QUEUED_LATENCY
-            if (supply_bound and flat) or queued:
-                self._strikes += 1
-                if self._strikes >= PLATEAU_STRIKES:
-                    # Back to just above the last level that paid: more only queued.
-                    paid_reads = self._paid or before_reads
-                    self.cap, self._cap_base = max(MIN_READS, int(paid_reads * 1.25)), base
-                    self._cap_rate, self._strikes = max(rate, before_rate), 0
-                    if self._lifted is not None:  # growth past a lifted cap: was it worth it?
-                        same = self.cap <= 1.5 * self._lifted
-                        self._lift_after = min(CAP_LIFT_MAX, 2 * self._lift_after) if same else CAP_LIFT_AFTER
-                        self._lifted = None
-                    return self._changed(min(cur, self.cap, ceiling))
-                return cur  # once may be noise: hold, and try growing again next period
-            self._strikes = 0
-            if not flat:
-                self._paid = cur
-        # Little's law on the storage's own latency, not the queued one: reads beyond what
-        # that sustains only wait longer (a stream the bound really holds back grows below).
+
+    def _judge_growth(self, cur: int, m: _Measured) -> int | None:
+        """Did the last growth pay? Measured on the first JUDGE_PERIODS periods at the new
+        bound. Returns the bound when the judgement decides it, else None (track, on the
+        level's rate and latency, now in `m`)."""
+        if len(self._level) < JUDGE_PERIODS:
+            return cur
+        before_reads, before_rate, before_lat = self._grew_from
+        self._grew_from, self.phase = None, Phase.TRACKING
+        m.rate, m.lat = self._level_rate(m.rate, m.lat)
+        flat = m.rate < before_rate * PLATEAU_GAIN
+        # Queueing: more reads in flight, the same rate, each read slower (Little's law).
+        # Latency measured under it grows with the bound, so the target (rate x latency)
+        # would chase it to the ceiling; a held-back stream whose rate stays flat is the
+        # same plateau seen from the sender.
+        queued = flat and m.lat >= before_lat * QUEUED_LATENCY
+        if (m.supply_bound and flat) or queued:
+            self._strikes += 1
+            if self._strikes >= PLATEAU_STRIKES:
+                return self._set_cap(cur, before_reads, before_rate, m)
+            return cur  # once may be noise: hold, and try growing again next period
+        self._strikes = 0
+        if not flat:
+            self._paid = cur
+        return None
+
+    def _set_cap(self, cur: int, before_reads: int, before_rate: float, m: _Measured) -> int:
+        """A plateau: back to just above the last level that paid; more only queued."""
+        paid_reads = self._paid or before_reads
+        self.cap, self._cap_base = max(MIN_READS, int(paid_reads * 1.25)), m.base
+        self._cap_rate, self._strikes = max(m.rate, before_rate), 0
+        if self._lifted is not None:  # growth past a lifted cap: was it worth it?
+            same = self.cap <= 1.5 * self._lifted
+            self._lift_after = min(CAP_LIFT_MAX, 2 * self._lift_after) if same else CAP_LIFT_AFTER
+            self._lifted = None
+        return self._changed(min(cur, self.cap, m.ceiling), then=Phase.TRACKING)
+
+    def _track(self, cur: int, m: _Measured) -> int:
+        """Little's law on the storage's own latency, not the queued one: reads beyond what
+        that sustains only wait longer (a stream the bound really holds back grows)."""
         # The mean is used while it stays within 1.25x the lowest (a lognormal storage's
         # lowest period mean sits under its mean); past that, the rest is queueing.
-        needed = rate * min(lat, base * QUEUED_LATENCY) * HEADROOM
+        needed = m.rate * min(m.lat, m.base * QUEUED_LATENCY) * HEADROOM
         want = needed
-        if supply_bound and loop_busy < LOOP_SATURATED:
+        if m.supply_bound and m.loop_busy < LOOP_SATURATED:
             want = max(needed, cur * 1.5)
-        elif supply_bound:
+        elif m.supply_bound:
             want = cur  # the event loop is saturated: more reads would only queue
-        top = ceiling if self.cap is None else min(ceiling, self.cap)
+        top = m.ceiling if self.cap is None else min(m.ceiling, self.cap)
         want_i = int(min(max(want, MIN_READS), top))
-        if cur > ceiling:  # a bound tightened (more streams, bigger samples): obey at once
+        if cur > m.ceiling:  # a bound tightened (more streams, bigger samples): obey at once
             self._shrink_votes = 0
-            return self._changed(ceiling)
+            return self._changed(m.ceiling, then=Phase.TRACKING)
         if want_i >= cur * 1.25:
             self._shrink_votes = 0
-            self._grew_from = (cur, *self._level_rate(rate, lat))
-            return self._changed(min(want_i, 2 * cur))
+            self._grew_from = (cur, *self._level_rate(m.rate, m.lat))
+            return self._changed(min(want_i, 2 * cur), then=Phase.JUDGING)
         if want_i <= cur * 0.5:
             self._shrink_votes += 1
             if self._shrink_votes >= SHRINK_AFTER:
                 self._shrink_votes = 0
-                return self._changed(max(want_i, cur // 2, MIN_READS))
+                return self._changed(max(want_i, cur // 2, MIN_READS), then=Phase.TRACKING)
             return cur
         self._shrink_votes = 0
         return cur
@@ -404,10 +472,14 @@ class StreamTuner:
         lat_sum = sum(p[3] for p in self._level)
         return (sent / secs if secs > 0 else rate), (lat_sum / done if done else lat)
 
-    def _changed(self, reads: int) -> int:
-        self._hold = reads != self.settings.reads
-        if self._hold:
+    def _changed(self, reads: int, *, then: Phase) -> int:
+        """Enter `then` with bound `reads`; through FILLING first if the bound changed
+        (the period that fills a new bound is not a measurement of it)."""
+        if reads != self.settings.reads:
+            self.phase, self._after_fill = Phase.FILLING, then
             self._level.clear()
+        else:
+            self.phase = then
         return reads
 
     def _chunk(self, cur: int) -> int:

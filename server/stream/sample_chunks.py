@@ -1,0 +1,54 @@
+"""What a stream hands to the service: samples grouped into chunks, each sample tagged
+with where it goes; and the chunk being filled before it is encoded."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+from croupier.server.readers.base import Payload
+from croupier.server.stream.fetch_limits import FetchLimits
+
+
+class SampleRef(NamedTuple):
+    """Where a sample goes: (batch, position in batch) of this rank, and its global index."""
+
+    batch: int
+    position: int
+    index: int
+    padding: bool = False
+
+
+@dataclass
+class SampleChunk:
+    """Encoded samples, in the order of `refs`: one message of a stream (the service
+    turns it into a `croupier.v1.Chunk`)."""
+
+    refs: list[SampleRef]
+    payload: Payload
+    # Batches whose every sample has been sent once this chunk is.
+    completed_batches: list[int] = field(default_factory=list)
+
+
+class PendingChunk:
+    """Completed samples waiting to be flushed as one chunk."""
+
+    def __init__(self) -> None:
+        self.refs: list[SampleRef] = []
+        self.items: list[Any] = []
+        self.nbytes = 0
+        self.completed: list[int] = []
+        #: The oldest batch not yet whole became whole: the trainer waits on it, send now.
+        self.urgent = False
+        self.deadline = 0.0
+
+    def add(self, ref: SampleRef, item: Any, nbytes: int, flush_delay_s: float) -> None:
+        if not self.refs:
+            self.deadline = time.monotonic() + flush_delay_s
+        self.refs.append(ref)
+        self.items.append(item)
+        self.nbytes += nbytes
+
+    def full(self, limits: FetchLimits) -> bool:
+        return len(self.refs) >= limits.chunk_samples or self.nbytes >= limits.chunk_bytes or self.urgent
