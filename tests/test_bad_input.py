@@ -14,7 +14,7 @@ import pyarrow.parquet as pq
 import pytest
 from PIL import Image
 
-from croupier.client import Loader, LoaderError
+from croupier.client import Loader, LoaderError, RetryPolicy
 from croupier.protocol.options import StreamOptions
 from croupier.v1 import croupier_pb2_grpc
 
@@ -171,7 +171,8 @@ def test_corrupt_string_offsets_are_data_loss_and_other_streams_go_on(serve_proc
     # A subprocess: before the fix, taking these rows killed the server with SIGBUS.
     srv = serve_process(["rows=synthetic:4000:1024", "--data-root", str(data_root),
                          "--latency-ms", "2", "--latency-distribution", "fixed"])
-    good = Loader("rows", servers=srv.address, batch_size=50, prefetch=1, max_retries=0, buffer_batches=1)
+    good = Loader("rows", servers=srv.address, batch_size=50, prefetch=1, retry=RetryPolicy(max_retries=0),
+                  buffer_batches=1)
     got: list[int] = []
     for b in good.batches():
         got += b.indices.tolist()
@@ -184,12 +185,13 @@ def test_corrupt_string_offsets_are_data_loss_and_other_streams_go_on(serve_proc
     assert sorted(got) == list(range(4000))
     assert srv.proc.poll() is None
     # Validation is per column: the intact one still streams.
-    rows = Loader("bad_offsets.arrow", servers=srv.address, batch_size=10, max_retries=0, columns=["id"])
+    rows = Loader("bad_offsets.arrow", servers=srv.address, batch_size=10, retry=RetryPolicy(max_retries=0),
+                  columns=["id"])
     assert sorted(i for b in rows.batches() for i in b.data["id"].tolist()) == list(range(100))
 
 
 def test_bytes_that_are_not_an_image_name_the_file_and_index(server) -> None:
-    loader = Loader("images", servers=server.address, batch_size=7, max_retries=0)
+    loader = Loader("images", servers=server.address, batch_size=7, retry=RetryPolicy(max_retries=0))
     with pytest.raises(LoaderError) as info:
         list(loader)
     assert info.value.code == grpc.StatusCode.DATA_LOSS
@@ -198,7 +200,7 @@ def test_bytes_that_are_not_an_image_name_the_file_and_index(server) -> None:
 
 
 def test_len_and_iteration_refuse_an_impossible_batch_size_alike(server) -> None:
-    loader = Loader("rows", servers=server.address, batch_size=51, max_retries=0)
+    loader = Loader("rows", servers=server.address, batch_size=51, retry=RetryPolicy(max_retries=0))
     with pytest.raises(LoaderError) as by_len:
         len(loader)
     with pytest.raises(LoaderError) as by_iteration:
@@ -210,7 +212,7 @@ def test_len_and_iteration_refuse_an_impossible_batch_size_alike(server) -> None
 
 def test_a_row_over_the_message_limit_fails_at_once_naming_the_limit(serve_inprocess) -> None:
     srv = serve_inprocess(datasets=["rows=synthetic:4:2000000"], max_message_bytes=1 << 20)
-    loader = Loader("rows", servers=srv.address, batch_size=2, max_retries=3, retry_backoff_s=0.01)
+    loader = Loader("rows", servers=srv.address, batch_size=2, retry=RetryPolicy(max_retries=3, initial_backoff_s=0.01))
     with pytest.raises(LoaderError) as info:
         list(loader)
     assert info.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED

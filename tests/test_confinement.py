@@ -15,7 +15,7 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from croupier.client import Loader, LoaderError
+from croupier.client import ImageDecoding, Loader, LoaderError, RetryPolicy
 from readers_data import png_bytes, write_imagefolder, write_tar, write_webdataset
 
 OUTSIDE_VALUE = 7_000_000  # every row of the outside table: seen only if it leaked
@@ -52,7 +52,8 @@ def root(tmp_path: Path) -> Path:
 
 
 def _rows(address: str, dataset: str, **kw) -> list:
-    loader = Loader(dataset, servers=address, batch_size=2, max_retries=0, decode_images="none", **kw)
+    loader = Loader(dataset, servers=address, batch_size=2, retry=RetryPolicy(max_retries=0),
+                    decoding=ImageDecoding(output="none"), **kw)
     out = []
     for b in loader.batches():
         out.extend(b.data["x"].tolist() if isinstance(b.data, dict) and "x" in b.data else b.indices.tolist())

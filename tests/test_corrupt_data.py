@@ -16,13 +16,14 @@ import pyarrow.parquet as pq
 import pytest
 from PIL import Image
 
-from croupier.client import Loader, LoaderError
+from croupier.client import ImageDecoding, Loader, LoaderError, RetryPolicy
 from croupier.server.readers.images import image_problem, sniff_format
 from readers_data import image_bytes, write_imagefolder
 
 
 def _rows(address: str, dataset: str, **kw) -> list:
-    loader = Loader(dataset, servers=address, batch_size=4, max_retries=0, decode_images="none", **kw)
+    loader = Loader(dataset, servers=address, batch_size=4, retry=RetryPolicy(max_retries=0),
+                    decoding=ImageDecoding(output="none"), **kw)
     out = []
     for b in loader.batches():
         out.extend(b.data["x"].tolist() if isinstance(b.data, dict) and "x" in b.data else b.indices.tolist())

@@ -156,9 +156,10 @@ def missing_providers(imports: dict[str, Path], provided: set[str]) -> list[str]
 
 # What `croupier serve` runs: the server, the wire code, and the CLI with the commands it registers.
 SERVER_SOURCES = [*(REPO / "server").rglob("*.py"), *(REPO / "protos" / "croupier" / "v1").glob("*.py"),
-                  *(REPO / "croupier" / m for m in ("__init__.py", "cli.py", "logs.py", "options.py", "loadtest.py"))]
+                  *(REPO / "croupier" / "protocol").glob("*.py"),
+                  *(REPO / "croupier" / m for m in ("__init__.py", "cli.py", "logs.py", "loadtest.py", "healthcheck.py"))]
 TRAINER_SOURCES = [*(REPO / "client").rglob("*.py"), *(REPO / "examples").glob("*.py"),
-                   *(REPO / "croupier").glob("demo*.py"), REPO / "croupier" / "shuffle_quality.py"]
+                   *(REPO / "croupier" / "demo").glob("*.py"), REPO / "croupier" / "shuffle_quality.py"]
 
 
 def make_server_venv(root: Path) -> Path:

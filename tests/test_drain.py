@@ -11,7 +11,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from croupier.client import Loader
+from croupier.client import Loader, RetryPolicy
 from croupier.v1 import croupier_pb2 as pb
 from croupier.v1 import croupier_pb2_grpc as pb_grpc
 
@@ -41,7 +41,8 @@ async def _new_stream_status(address: str) -> tuple[grpc.StatusCode, str]:
 def test_sigterm_says_not_serving_refuses_new_streams_finishes_open_ones_and_exits_0(serve_process) -> None:
     draining, spare = serve_process(ARGS), serve_process(ARGS)
     assert asyncio.run(_health(draining.address)) == "SERVING"
-    open_stream = Loader("rows", servers=draining.address, batch_size=50, seed=1, max_retries=0, prefetch=1)
+    open_stream = Loader("rows", servers=draining.address, batch_size=50, seed=1, retry=RetryPolicy(max_retries=0),
+                         prefetch=1)
     got: list[int] = []
     seen_during_drain = None
     for b in open_stream.batches():
@@ -54,7 +55,7 @@ def test_sigterm_says_not_serving_refuses_new_streams_finishes_open_ones_and_exi
             seen_during_drain = status, asyncio.run(_new_stream_status(draining.address))
             # A trainer starting now is sent to the other replica and misses nothing.
             late = Loader("rows", servers=[draining.address, spare.address], batch_size=50, seed=2,
-                          retry_backoff_s=0.05)
+                          retry=RetryPolicy(initial_backoff_s=0.05))
             late_seen = sorted(i for lb in late.batches() for i in lb.indices.tolist())
             assert late_seen == list(range(ROWS))
     assert seen_during_drain is not None

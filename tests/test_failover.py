@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from croupier.client import Loader
+from croupier.client import Loader, RetryPolicy
 from croupier.protocol.epoch_plan import EpochPlan
 
 ROWS, ROW_BYTES = 1200, 4096
@@ -32,7 +32,7 @@ class RankThread(threading.Thread):
     def __init__(self, rank: int, servers: list[str]):
         super().__init__(name=f"rank-{rank}", daemon=True)
         self.loader = Loader("rows", servers=servers, batch_size=BATCH, rank=rank, world_size=WORLD, seed=SEED,
-                             epoch=EPOCH, retry_backoff_s=0.05, max_retries=20)
+                             epoch=EPOCH, retry=RetryPolicy(initial_backoff_s=0.05, max_retries=20))
         self.batches: list[int] = []
         self.indices: list[int] = []
         self.padding = 0

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import torch
 
-from croupier.client import Loader
+from croupier.client import ImageDecoding, Loader
 
 
 def _plain(value):
@@ -55,7 +55,8 @@ def test_image_features_arrive_decoded_as_load_from_disk_decodes_them(serve_inpr
 
     srv = serve_inprocess(datasets=[f"pics={path}"])
     for mode in ("tensor", "pil"):
-        loader = Loader("pics", servers=srv.address, batch_size=4, seed=1, collate_fn=list, decode_images=mode)
+        loader = Loader("pics", servers=srv.address, batch_size=4, seed=1, collate_fn=list,
+                        decoding=ImageDecoding(output=mode))
         seen = 0
         for batch in loader.batches():
             for index, sample in zip(batch.indices.tolist(), batch.data):

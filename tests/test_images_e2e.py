@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from croupier.client import Loader
+from croupier.client import ImageDecoding, Loader
 from readers_data import expected_pixel, write_imagefolder, write_webdataset
 
 
@@ -19,7 +19,7 @@ def test_images_arrive_decoded_with_labels(serve_inprocess, tmp_path: Path, layo
     else:
         labels = [lab for _, lab in write_webdataset(tmp_path / "data", 15, shard_size=4)]
     srv = serve_inprocess(datasets=[f"imgs={tmp_path / 'data'}"])
-    loader = Loader("imgs", servers=srv.address, batch_size=4, seed=2, server_decode=server_decode)
+    loader = Loader("imgs", servers=srv.address, batch_size=4, seed=2, decoding=ImageDecoding(on_server=server_decode))
     seen = []
     for b in loader.batches():
         images, got_labels = b.data["image"], b.data["label"]
@@ -39,7 +39,7 @@ def test_transform_and_pil_decoding(serve_inprocess, tmp_path: Path) -> None:
         img = sample["image"]  # a PIL image with decode_images="pil"
         return {"x": torch.tensor(img.size, dtype=torch.float32), "y": sample["label"]}
 
-    loader = Loader("imgs", servers=srv.address, batch_size=3, decode_images="pil", transform=to_float)
+    loader = Loader("imgs", servers=srv.address, batch_size=3, decoding=ImageDecoding(output="pil"), transform=to_float)
     batches = list(loader)
     assert sum(len(b["y"]) for b in batches) == 6
     assert all(b["x"].tolist() == [[8.0, 8.0]] * len(b["y"]) for b in batches)

@@ -14,7 +14,7 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from croupier.client import Loader, LoaderError
+from croupier.client import Loader, LoaderError, RetryPolicy
 from croupier.protocol.security import AddressError, check_address
 
 CLI = [sys.executable, "-m", "croupier.cli"]
@@ -49,7 +49,8 @@ def test_a_loader_pointed_where_nothing_listens_says_so_at_each_retry(caplog) ->
     with _held_port() as held:
         address = f"127.0.0.1:{held.getsockname()[1]}"
     # Nothing listens there now (the socket closed); the Loader must say so from the first try.
-    loader = Loader("rows", servers=address, batch_size=4, max_retries=3, retry_backoff_s=0.01, max_backoff_s=0.02)
+    loader = Loader("rows", servers=address, batch_size=4,
+                    retry=RetryPolicy(max_retries=3, initial_backoff_s=0.01, max_backoff_s=0.02))
     try:
         with caplog.at_level(logging.WARNING, logger="croupier.client"):
             with pytest.raises(LoaderError) as info:

@@ -24,7 +24,7 @@ from certs import make_certs, needs_openssl
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from croupier.client import Loader, LoaderError
+from croupier.client import ClientSecurity, Loader, LoaderError, RetryPolicy
 from croupier.server.access.auth import TokenFileError, TokenStore
 from croupier.server.access.tls import SecurityConfigError
 from croupier.v1 import croupier_pb2 as pb
@@ -84,7 +84,8 @@ def epoch_indices(loader: Loader) -> list[int]:
 def test_an_epoch_streams_over_tls_with_the_loader(serve_inprocess, certs, tmp_path) -> None:
     srv = serve_inprocess(datasets=["a=synthetic:300:16"], tls_cert=str(certs.server_cert),
                           tls_key=str(certs.server_key), tokens_file=str(base_tokens(tmp_path)))
-    loader = Loader("a", servers=srv.address, batch_size=32, tls_ca=str(certs.ca), token=TOKEN_A)
+    loader = Loader("a", servers=srv.address, batch_size=32,
+                    security=ClientSecurity.resolve(tls_ca=str(certs.ca), token=TOKEN_A))
     try:
         assert epoch_indices(loader) == list(range(300))
     finally:
@@ -114,8 +115,9 @@ def test_mutual_tls_refuses_a_client_without_a_certificate_signed_by_the_client_
             assert code_of(lambda: stub.ListDatasets(request, timeout=10)) == grpc.StatusCode.UNAVAILABLE
     with tls_channel(srv.address, certs, certs.client_cert, certs.client_key) as ch:
         assert [d.name for d in croupier_pb2_grpc.CroupierStub(ch).ListDatasets(request, timeout=10).datasets] == ["a"]
-    loader = Loader("a", servers=srv.address, batch_size=5, tls_ca=str(certs.ca), tls_cert=str(certs.client_cert),
-                    tls_key=str(certs.client_key))
+    loader = Loader("a", servers=srv.address, batch_size=5,
+                    security=ClientSecurity.resolve(tls_ca=str(certs.ca), tls_cert=str(certs.client_cert),
+                                                    tls_key=str(certs.client_key)))
     try:
         assert epoch_indices(loader) == list(range(10))
     finally:
@@ -136,7 +138,8 @@ def test_a_missing_or_wrong_token_is_unauthenticated_on_every_rpc(serve_inproces
             for md in (None, bearer("not-a-token-of-this-server"), [("authorization", TOKEN_A)]):
                 assert code_of(lambda: call(md)) == grpc.StatusCode.UNAUTHENTICATED, (name, md)
             call(bearer(TOKEN_ALL))  # and the right token passes
-    loader = Loader("a", servers=srv.address, batch_size=5, token="wrong-token-0123456789")
+    loader = Loader("a", servers=srv.address, batch_size=5,
+                    security=ClientSecurity.resolve(token="wrong-token-0123456789"))
     try:
         with pytest.raises(LoaderError) as info:
             list(loader)
@@ -260,7 +263,7 @@ def test_health_and_reflection_need_no_token_unless_configured(serve_inprocess, 
 
 def test_plaintext_to_a_tls_port_fails_clearly_on_both_sides(serve_process, certs) -> None:
     srv = serve_process(["a=synthetic:10", "--tls-cert", str(certs.server_cert), "--tls-key", str(certs.server_key)])
-    loader = Loader("a", servers=srv.address, batch_size=5, max_retries=1, retry_backoff_s=0.01)
+    loader = Loader("a", servers=srv.address, batch_size=5, retry=RetryPolicy(max_retries=1, initial_backoff_s=0.01))
     try:
         with pytest.raises(LoaderError) as info:
             list(loader)
@@ -269,7 +272,8 @@ def test_plaintext_to_a_tls_port_fails_clearly_on_both_sides(serve_process, cert
     assert info.value.code == grpc.StatusCode.UNAVAILABLE
     assert "is the server using TLS? then pass tls_ca" in str(info.value)
     # TLS to the right port with the wrong CA: the handshake is named.
-    loader = Loader("a", servers=srv.address, batch_size=5, max_retries=0, tls_ca=str(certs.rogue_cert))
+    loader = Loader("a", servers=srv.address, batch_size=5, retry=RetryPolicy(max_retries=0),
+                    security=ClientSecurity.resolve(tls_ca=str(certs.rogue_cert)))
     try:
         with pytest.raises(LoaderError, match="TLS handshake failed"):
             list(loader)
@@ -360,8 +364,10 @@ def test_plaintext_on_a_non_loopback_host_needs_tls_or_insecure(tmp_path, certs)
 
 def test_the_client_never_sends_a_token_in_clear_text_to_a_remote_address() -> None:
     with pytest.raises(ValueError, match="clear text"):
-        Loader("a", servers="10.1.2.3:50051", batch_size=4, token="a-token-0123456789abc")
-    Loader("a", servers="10.1.2.3:50051", batch_size=4, token="a-token-0123456789abc", tls=True).close()
+        Loader("a", servers="10.1.2.3:50051", batch_size=4,
+               security=ClientSecurity.resolve(token="a-token-0123456789abc"))
+    Loader("a", servers="10.1.2.3:50051", batch_size=4,
+           security=ClientSecurity.resolve(token="a-token-0123456789abc", tls=True)).close()
 
 
 def test_a_bad_tokens_file_is_refused_at_start_naming_the_entry(tmp_path) -> None:
