@@ -401,3 +401,14 @@ def test_the_container_health_check_probes_a_tls_server_as_a_client(serve_inproc
     assert refused.returncode == 1 and "UNAVAILABLE" in refused.stderr  # mutual TLS: no client certificate
     env.update(CROUPIER_CLIENT_CERT=str(certs.client_cert), CROUPIER_CLIENT_KEY=str(certs.client_key))
     assert subprocess.run(probe, env=env, capture_output=True, timeout=60).returncode == 0
+
+
+def test_client_security_built_directly_refuses_a_ca_without_tls() -> None:
+    # ClientSecurity(tls_ca=...) left tls False and connected in plaintext without a word
+    with pytest.raises(ValueError, match="tls_ca given without tls=True"):
+        ClientSecurity(tls_ca="/certs/ca.pem")
+    assert ClientSecurity(tls=True, tls_ca="/certs/ca.pem").tls
+    assert ClientSecurity.resolve(tls_ca="/certs/ca.pem").tls  # resolve turns TLS on for a CA
+    # tls=False chosen over a CA from the environment: plaintext, the CA dropped
+    chosen = ClientSecurity.resolve(tls=False, environ={"CROUPIER_TLS_CA": "/certs/ca.pem"})
+    assert not chosen.tls and chosen.tls_ca is None

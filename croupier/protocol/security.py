@@ -107,6 +107,14 @@ class ClientSecurity:
     #: Send the token over plaintext to a non-loopback address anyway.
     insecure_token: bool = False
 
+    def __post_init__(self) -> None:
+        # Built directly (the Loader takes one as `security=`), a CA or certificate without
+        # tls=True would otherwise connect in plaintext without a word.
+        given = [n for n in ("tls_ca", "tls_cert", "tls_key") if getattr(self, n)]
+        if given and not self.tls:
+            raise ValueError(f"ClientSecurity: {', '.join(given)} given without tls=True would connect in "
+                             "plaintext: pass tls=True, or build it with ClientSecurity.resolve(...)")
+
     @classmethod
     def resolve(
         cls,
@@ -132,6 +140,8 @@ class ClientSecurity:
             raise ValueError("tls_cert and tls_key (CROUPIER_CLIENT_CERT, CROUPIER_CLIENT_KEY) go together")
         if tls_cert and not tls:
             raise ValueError("a client certificate (tls_cert) needs TLS: do not pass tls=False with it")
+        if not tls:
+            tls_ca = None  # tls=False chosen over a CA from the environment: plaintext, as asked
         return cls(bool(tls), tls_ca, tls_cert, tls_key, token, server_name, insecure_token)
 
     def channel_credentials(self):
