@@ -1,4 +1,4 @@
-"""End to end over real gRPC on loopback: the contract of DESIGN.md section 3."""
+"""End to end over real gRPC on loopback: the contract of docs/DESIGN.md section 4 ("Guarantees")."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from croupier.client import Loader
+from croupier.client import Loader, RetryPolicy
 from croupier.protocol.epoch_plan import EpochPlan
 
 
@@ -198,7 +198,7 @@ def test_resume_after_the_server_is_killed_mid_epoch(serve_process) -> None:
     port = srv.port
     kw = dict(batch_size=30, seed=6, rank=1, world_size=2)
     want = _epoch_indices(srv.address, "rows", **kw)
-    loader = Loader("rows", servers=srv.address, retry_backoff_s=0.2, max_retries=50, **kw)
+    loader = Loader("rows", servers=srv.address, retry=RetryPolicy(initial_backoff_s=0.2, max_retries=50), **kw)
     got: list[list[int]] = []
     restarted: list = []
 
@@ -218,7 +218,7 @@ def test_resume_after_the_server_is_killed_mid_epoch(serve_process) -> None:
 def test_sigterm_lets_open_streams_finish(serve_process) -> None:
     srv = serve_process(["rows=synthetic:2000", "--latency-ms", "2", "--latency-distribution", "fixed",
                          "--grace", "30"])
-    loader = Loader("rows", servers=srv.address, batch_size=50, seed=1, max_retries=0, prefetch=1)
+    loader = Loader("rows", servers=srv.address, batch_size=50, seed=1, retry=RetryPolicy(max_retries=0), prefetch=1)
     got = []
     for b in loader.batches():
         got += b.indices.tolist()

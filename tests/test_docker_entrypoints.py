@@ -273,7 +273,7 @@ def test_images_run_as_an_unprivileged_user_with_a_healthcheck() -> None:
 
 def test_dockerignore_keeps_the_build_context_small() -> None:
     ignored = set((REPO / ".dockerignore").read_text().split())
-    assert {".git", ".venv", "tests", "**/__pycache__"} <= ignored
+    assert {".git", ".venv", "tests", "bench", "**/__pycache__"} <= ignored
 
 
 def test_server_requirements_are_pyproject_dependencies_without_the_trainer_side() -> None:

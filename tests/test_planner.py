@@ -1,4 +1,4 @@
-"""The epoch plan's guarantees (DESIGN.md section 3), one test each."""
+"""The epoch plan's guarantees (docs/DESIGN.md section 4, "Guarantees"), one test each."""
 
 from __future__ import annotations
 

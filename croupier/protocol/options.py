@@ -13,7 +13,7 @@ from croupier.v1 import croupier_pb2 as pb
 
 @dataclass(frozen=True)
 class StreamOptions:
-    """One rank's stream of one epoch (see DESIGN.md section 3 for the semantics)."""
+    """One rank's stream of one epoch (the semantics: docs/DESIGN.md section 4, "Guarantees")."""
 
     dataset: str
     batch_size: int
