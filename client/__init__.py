@@ -4,7 +4,8 @@ from croupier.protocol.security import ClientSecurity
 from croupier.client.assemble import BatchAssembler, ProtocolError, RawBatch
 from croupier.client.connection import RetryPolicy
 from croupier.client.loader import Batch, Loader, LoaderError, LoaderStats
-from croupier.client.samples import ImageDecoding, SampleDecodeError
+from croupier.client.resume import ResumeError
+from croupier.client.samples import ImageDecoding, SampleDecodeError, numpy_collate
 
 __all__ = [
     "Batch",
@@ -16,6 +17,8 @@ __all__ = [
     "LoaderStats",
     "ProtocolError",
     "RawBatch",
+    "ResumeError",
     "RetryPolicy",
     "SampleDecodeError",
+    "numpy_collate",
 ]

@@ -15,18 +15,18 @@ import concurrent.futures
 import logging
 import os
 import queue
+import sys
 import threading
 import time
 import weakref
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
-from dataclasses import dataclass, field
-from typing import Any
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any
 
 import grpc
 import numpy as np
-import torch
-from torch.utils.data import default_collate
 
+from croupier.protocol.epoch_plan import EpochPlan, PlanError
 from croupier.protocol.options import StreamOptions
 from croupier.protocol.security import ClientSecurity, check_address
 
@@ -34,7 +34,11 @@ from croupier.client.assemble import BatchAssembler, ProtocolError, RawBatch
 from croupier.client.connection import (FINAL_LIMITS, RETRYABLE, Connection, RetryPolicy, limit_of, size_limit_advice,
                                         transport_hint)
 from croupier.client.decode_tuner import DecodeTuner
-from croupier.client.samples import ImageDecoding, collate_table, raw_batch_samples
+from croupier.client.resume import Cursor, Shape, resume_cursor, state_of
+from croupier.client.samples import BatchFormat, ImageDecoding, collate_table, numpy_collate, raw_batch_samples
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger("croupier.client")
 
@@ -94,12 +98,17 @@ def _close_live_loaders() -> None:
 
 
 def _distributed_default() -> tuple[int, int]:
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        return torch.distributed.get_rank(), torch.distributed.get_world_size()
+    # Only a process that imported torch can have initialised torch.distributed: the
+    # "numpy" format never imports it.
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
     return 0, 1
 
 
-def _move(obj: Any, device: torch.device | None, pin: bool) -> Any:
+def _move(obj: Any, device: "torch.device | None", pin: bool) -> Any:
+    import torch
+
     if isinstance(obj, torch.Tensor):
         if pin:
             obj = obj.pin_memory()
@@ -126,7 +135,11 @@ class Loader:
         prefetch: batches the server reads ahead (0: the server's default; the server
             clamps it to its `--max-prefetch`).
         columns: table columns to fetch (default all).
-        collate_fn: list of samples -> batch; default `torch.utils.data.default_collate`.
+        format: "torch" (default: tensors, images uint8 CHW) or "numpy": dicts of NumPy
+            arrays (images uint8 HWC, stacked [B, H, W, C]), collated by
+            `numpy_collate`, and torch is never imported (pin_memory and device are torch's).
+        collate_fn: list of samples -> batch; None: `torch.utils.data.default_collate`,
+            or `numpy_collate` for format="numpy" (None means the default, as in a DataLoader).
         transform: applied to every sample dict before collation.
         pin_memory, device: pin and move each batch (non-blocking when pinned).
         in_order: yield batches in batch order (default); False yields a later batch
@@ -160,10 +173,11 @@ class Loader:
         ordered: bool = False,
         prefetch: int = 0,
         columns: Sequence[str] = (),
+        format: BatchFormat = "torch",
         collate_fn: Callable[[list[Any]], Any] | None = None,
         transform: Callable[[dict[str, Any]], Any] | None = None,
         pin_memory: bool = False,
-        device: str | torch.device | None = None,
+        device: "str | torch.device | None" = None,
         in_order: bool = True,
         buffer_batches: int = 4,
         decoding: ImageDecoding = ImageDecoding(),
@@ -188,26 +202,23 @@ class Loader:
             raise ValueError(f"batch_size must be at least 1, got {batch_size}")
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is outside the world of size {world_size}")
+        # The stream's shape; the seed and epoch of each stream are the cursor's (_cursor).
         self.options = StreamOptions(
             dataset=dataset, batch_size=batch_size, seed=seed, epoch=epoch, rank=rank, world_size=world_size,
             drop_last=drop_last, ordered=ordered, prefetch=prefetch, columns=tuple(columns),
             decode_images=decoding.on_server,
         )
-        self.collate_fn = collate_fn or default_collate
-        self._default_collate = collate_fn is None or collate_fn is default_collate
         self.transform = transform
-        self.decoding = decoding
-        self.pin_memory = pin_memory and torch.cuda.is_available()
-        self.device = torch.device(device) if device is not None else None
+        self._set_format(format, collate_fn, decoding, pin_memory, device)
         self.in_order = in_order
         self.retry = retry
         self.buffer_batches = max(1, buffer_batches)
         self.stats = LoaderStats()
-        self._next_batch = 0  # first batch not yet handed to the user
-        self._ahead: set[int] = set()  # handed out already, beyond _next_batch (in_order=False)
-        self._num_batches: int | None = None
-        # This Loader handed out the epoch's last batch: the next pass starts over.
-        self._epoch_done = False
+        #: Where the next batch comes from; moved only on the consumer's side, as batches
+        #: are handed out (client/resume.py).
+        self._cursor = Cursor(seed, epoch)
+        #: Rows of the dataset, once a header or DescribeDataset said (the plan's N).
+        self._num_rows: int | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         #: Sets decode_workers as the Loader runs (None: decoding.workers was given, and is kept).
@@ -215,10 +226,36 @@ class Loader:
         self.decode_workers = self.decode_tuner.workers if self.decode_tuner is not None else decoding.workers
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
 
+    def _set_format(self, format: BatchFormat, collate_fn: Callable[[list[Any]], Any] | None,
+                    decoding: ImageDecoding, pin_memory: bool, device: "str | torch.device | None") -> None:
+        """What batches are made of: torch tensors (torch imported only for these) or NumPy arrays."""
+        self.format = format
+        if format == "numpy":
+            if pin_memory or device is not None:
+                raise ValueError("pin_memory and device move torch tensors: a Loader with format='numpy' takes "
+                                 "neither (put its arrays on an accelerator with your framework, e.g. "
+                                 "jax.device_put)")
+            self.collate_fn = collate_fn or numpy_collate
+            self._default_collate = collate_fn is None or collate_fn is numpy_collate
+            self.decoding = replace(decoding, output="numpy") if decoding.output == "tensor" else decoding
+            self.pin_memory, self.device = False, None
+        elif format == "torch":
+            import torch
+            from torch.utils.data import default_collate
+
+            self.collate_fn = collate_fn or default_collate
+            self._default_collate = collate_fn is None or collate_fn is default_collate
+            self.decoding = decoding
+            self.pin_memory = pin_memory and torch.cuda.is_available()
+            self.device = torch.device(device) if device is not None else None
+        else:
+            raise ValueError(f"format must be 'torch' or 'numpy', got {format!r}")
+
     # ---- epoch and resume state -------------------------------------------------
     @property
     def epoch(self) -> int:
-        return self.options.epoch
+        """The epoch the next batch comes from."""
+        return self._cursor.epoch
 
     @property
     def rank(self) -> int:
@@ -228,76 +265,97 @@ class Loader:
     def world_size(self) -> int:
         return self.options.world_size
 
+    @property
+    def _shape(self) -> Shape:
+        o = self.options
+        return Shape(o.rank, o.world_size, o.batch_size, o.drop_last)
+
     def set_epoch(self, epoch: int) -> None:
-        """Choose the epoch (its permutation); a new epoch starts at its first batch."""
-        if epoch != self.options.epoch:
-            self.options = self.options.with_(epoch=epoch)
-            self._next_batch, self._ahead, self._epoch_done = 0, set(), False
+        """Pin the epoch of the next pass, as `DistributedSampler.set_epoch` does.
+
+        Another epoch than the Loader's starts at its first batch; the Loader's own epoch
+        keeps its place (so a loop that calls set_epoch after load_state_dict resumes), and
+        a finished epoch named again is dealt again from its start."""
+        if epoch != self._cursor.epoch or self._finished():
+            self._cursor = Cursor(self._cursor.seed, epoch)
 
     def state_dict(self) -> dict[str, Any]:
-        """A few integers that resume this rank exactly where the user stopped."""
-        return {
-            "dataset": self.options.dataset,
-            "seed": self.options.seed,
-            "epoch": self.options.epoch,
-            "next_batch": self._next_batch,
-            "batches_ahead": sorted(self._ahead),
-            "rank": self.options.rank,
-            "world_size": self.options.world_size,
-            "batch_size": self.options.batch_size,
-            "drop_last": self.options.drop_last,
-        }
+        """Where this rank stands, in a few integers: seed, epoch, `position` (where in the
+        epoch's permutation the ranks stand together), `step` (batches handed out of this
+        epoch's plan), `next_batch` and `batches_ahead` (in_order=False), the plan's start
+        (after an elastic resume) and the shape. After the last batch of an epoch it still
+        names that epoch, with next_batch == its batches: the next pass (here, or of a
+        Loader that loads it) starts the next epoch."""
+        return state_of(self._cursor, self.options.dataset, self._shape, self._num_rows)
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        for key in ("dataset", "rank", "world_size", "batch_size", "drop_last"):
-            if key in state and state[key] != getattr(self.options, key):
-                raise ValueError(
-                    f"state_dict was saved with {key}={state[key]!r} but this Loader has "
-                    f"{key}={getattr(self.options, key)!r}: resuming would change the plan"
-                )
-        self.options = self.options.with_(seed=int(state["seed"]), epoch=int(state["epoch"]))
-        self._next_batch = int(state["next_batch"])
-        self._ahead = set(int(b) for b in state.get("batches_ahead", ()))
-        # Resume where the state says, even at the end of an epoch (then nothing is left).
-        self._epoch_done = False
+    def load_state_dict(self, state: Mapping[str, Any] | Sequence[Mapping[str, Any]]) -> None:
+        """Resume from a state saved by any rank of any shape, or from every rank's states.
+
+        At this Loader's own shape, its rank's state resumes exactly; another rank's state
+        resumes at the step all ranks reached. At another world size, batch size or
+        drop_last, the samples of the epoch that no old rank delivered are cut anew into
+        this shape's batches (numbered from 0); the next epoch is a whole one. States
+        handed out ahead (in_order=False) or of ranks at different steps: see
+        client/resume.py; the ResumeError (a ValueError) names the ranks and steps."""
+        states = [state] if isinstance(state, Mapping) else list(state)
+        cursor = resume_cursor(states, self.options.dataset, self._shape)
+        num_rows = states[0].get("num_rows")
+        if num_rows is not None:
+            self._num_rows = int(num_rows)
+        self._cursor = cursor
+
+    def _rows(self) -> int:
+        """The dataset's rows: from a header seen, else asked of the first replica that answers."""
+        if self._num_rows is not None:
+            return self._num_rows
+
+        async def rows() -> int:
+            errors = []
+            for k in range(len(self.servers)):  # starting with this rank's own replica
+                address = self.servers[(self.rank + k) % len(self.servers)]
+                conn = Connection(address, self.security, self.channel_options)
+                try:
+                    return (await conn.describe(self.options.dataset)).num_rows
+                except grpc.aio.AioRpcError as exc:
+                    if exc.code() not in RETRYABLE:
+                        raise LoaderError(f"{address}: {exc.code().name}: {exc.details()}", exc.code()) from None
+                    errors.append(f"{address}: {exc.code().name}: {exc.details()}"
+                                  f"{transport_hint(self.security, exc.details() or '')}")
+                finally:
+                    await conn.close()
+            raise LoaderError(f"no server answered for dataset {self.options.dataset!r}: {errors}",
+                              grpc.StatusCode.UNAVAILABLE)
+
+        self._num_rows = asyncio.run_coroutine_threadsafe(rows(), self._network_loop()).result(60)
+        return self._num_rows
+
+    def _plan(self) -> EpochPlan:
+        """The plan of the cursor's epoch (asks the server for the dataset size once)."""
+        o, c = self.options, self._cursor
+        try:
+            return EpochPlan(self._rows(), c.seed, c.epoch, o.batch_size, o.world_size, o.drop_last, c.start)
+        except PlanError as exc:  # what the server answers a stream of this plan
+            raise LoaderError(f"INVALID_ARGUMENT: {exc}", grpc.StatusCode.INVALID_ARGUMENT) from None
+
+    def _finished(self) -> bool:
+        """This epoch's last batch was handed out: the next pass starts the next epoch.
+        (Asks nothing of a server while no batch was handed out, from a fresh start.)"""
+        c = self._cursor
+        return bool(c.next_batch or c.start) and c.next_batch >= self._plan().num_batches
 
     def __len__(self) -> int:
-        """Batches per epoch for this rank (asks the server for the dataset size once)."""
-        if self._num_batches is None:
-            from croupier.protocol.epoch_plan import EpochPlan, PlanError
-
-            async def rows() -> int:
-                # The first replica that answers, starting with this rank's own.
-                errors = []
-                for k in range(len(self.servers)):
-                    address = self.servers[(self.rank + k) % len(self.servers)]
-                    conn = Connection(address, self.security, self.channel_options)
-                    try:
-                        return (await conn.describe(self.options.dataset)).num_rows
-                    except grpc.aio.AioRpcError as exc:
-                        if exc.code() not in RETRYABLE:
-                            raise LoaderError(f"{address}: {exc.code().name}: {exc.details()}", exc.code()) from None
-                        errors.append(f"{address}: {exc.code().name}: {exc.details()}"
-                                      f"{transport_hint(self.security, exc.details() or '')}")
-                    finally:
-                        await conn.close()
-                raise LoaderError(f"no server answered for dataset {self.options.dataset!r}: {errors}",
-                                  grpc.StatusCode.UNAVAILABLE)
-
-            o = self.options
-            n = asyncio.run_coroutine_threadsafe(rows(), self._network_loop()).result(60)
-            try:
-                plan = EpochPlan(n, o.seed, o.epoch, o.batch_size, o.world_size, o.drop_last)
-            except PlanError as exc:  # what the server answers a stream of this plan
-                raise LoaderError(f"INVALID_ARGUMENT: {exc}", grpc.StatusCode.INVALID_ARGUMENT) from None
-            self._num_batches = plan.num_batches
-        return self._num_batches
+        """Batches this rank gets in the epoch the next pass yields (after an elastic
+        resume, in the rest of that epoch)."""
+        if self._finished():
+            o, c = self.options, self._cursor
+            return EpochPlan(self._rows(), c.seed, c.epoch + 1, o.batch_size, o.world_size, o.drop_last).num_batches
+        return self._plan().num_batches
 
     # ---- producing batches --------------------------------------------------------
-    async def _raw_batches(self, start: int, ahead: frozenset[int]) -> AsyncIterator[RawBatch]:
-        """RawBatches of the current epoch from `start`, reconnecting as needed."""
-        opts = self.options
-        next_batch, ahead = start, set(ahead)
+    async def _raw_batches(self, cursor: Cursor) -> AsyncIterator[RawBatch]:
+        """RawBatches of the cursor's epoch from its next batch, reconnecting as needed."""
+        opts = self.options.with_(seed=cursor.seed, epoch=cursor.epoch, plan_start=cursor.start)
+        next_batch, ahead = cursor.next_batch, set(cursor.ahead)
         server_i = opts.rank % len(self.servers)
         failures = 0
         num_batches: int | None = None
@@ -316,7 +374,8 @@ class Loader:
                                 f"{address} plans {header.num_batches} batches for this epoch, "
                                 f"another server planned {num_batches}: are they serving the same data?"
                             )
-                        num_batches = self._num_batches = header.num_batches
+                        self._check_header(address, header, opts, resumed=next_batch > 0 or bool(ahead))
+                        num_batches = header.num_batches
                         assembler = BatchAssembler(header, skip_batches=frozenset(ahead))
                         continue
                     if assembler is None:
@@ -364,6 +423,22 @@ class Loader:
             finally:
                 await conn.close()
 
+    def _check_header(self, address: str, header: Any, opts: StreamOptions, resumed: bool) -> None:
+        """Refuse a stream that would not follow the plan this Loader resumes in."""
+        start = opts.plan_start
+        if (header.plan_position, tuple(header.plan_delivered)) != (start.position, start.delivered):
+            raise LoaderError(
+                f"{address} streamed epoch {opts.epoch} from plan position {header.plan_position}, not the "
+                f"{start.position} this elastic resume asked for: the server predates elastic resume; upgrade it",
+                grpc.StatusCode.FAILED_PRECONDITION)
+        rows = header.dataset.num_rows
+        if self._num_rows is not None and rows != self._num_rows and (resumed or start):
+            raise LoaderError(
+                f"{address} serves {opts.dataset!r} with {rows} rows, but this epoch was resumed with "
+                f"{self._num_rows}: the permutation depends on the row count, so the resume would lose and "
+                "repeat samples; serve the dataset the state was saved with", grpc.StatusCode.FAILED_PRECONDITION)
+        self._num_rows = rows
+
     def _account(self, assembler: BatchAssembler) -> None:
         s = assembler.stats
         self.stats.samples += s.samples
@@ -374,16 +449,17 @@ class Loader:
     def _collate(self, raw: RawBatch) -> Batch:
         data = None
         if raw.table is not None and self._default_collate and self.transform is None:
-            data = collate_table(raw.table)  # same result as default_collate, column-wise
+            data = collate_table(raw.table, self.format)  # the default collation's result, column-wise
         if data is None:
             t0 = time.perf_counter()
-            samples = raw_batch_samples(raw, self.decoding.output, self._decode_pool())
+            samples = raw_batch_samples(raw, self.decoding.output, self._decode_pool(), self.format)
             if self.decode_tuner is not None:
                 self.decode_tuner.batch_done(len(samples), time.perf_counter() - t0)
             if self.transform is not None:
                 samples = [self.transform(s) for s in samples]
             data = self.collate_fn(samples)
-        data = _move(data, self.device, self.pin_memory)
+        if self.device is not None or self.pin_memory:
+            data = _move(data, self.device, self.pin_memory)
         return Batch(data, raw.epoch, raw.batch, raw.indices, raw.padding)
 
     def _decode_pool(self) -> concurrent.futures.ThreadPoolExecutor | None:
@@ -399,44 +475,31 @@ class Loader:
             self._pool = concurrent.futures.ThreadPoolExecutor(self.decode_workers, thread_name_prefix="croupier-decode")
         return self._pool
 
-    def _start(self) -> tuple[int, frozenset[int]]:
-        if self._epoch_done:  # a finished epoch iterated again starts over, as a DataLoader
-            self._next_batch, self._ahead, self._epoch_done = 0, set(), False
-        return self._next_batch, frozenset(self._ahead)
-
-    def _pass_ended(self) -> None:
-        """A pass ran to the end of the epoch (maybe yielding nothing, from a final state)."""
-        self._epoch_done = True
+    def _start(self) -> Cursor:
+        """The cursor a pass starts from: at the end of its epoch, the next epoch's start
+        (the epoch advances by itself, as Mosaic's StreamingDataset's does)."""
+        c = self._cursor
+        if self._finished():
+            c.next_epoch()
+        return Cursor(c.seed, c.epoch, c.start, c.next_batch, set(c.ahead))
 
     def _handed_out(self, batch: Batch, t0: float) -> None:
         """Record, on the consumer's side, that the user now holds `batch`."""
         self.stats.batches += 1
         if self.stats.first_batch_s is None:
             self.stats.first_batch_s = time.perf_counter() - t0
-        if batch.batch == self._next_batch:
-            self._next_batch += 1
-            while self._next_batch in self._ahead:
-                self._ahead.discard(self._next_batch)
-                self._next_batch += 1
-        else:
-            self._ahead.add(batch.batch)
-        if self._num_batches is not None and self._next_batch >= self._num_batches:
-            self._epoch_done = True  # even if the user stops before the stream's end
+        self._cursor.handed_out(batch.batch)
 
     async def abatches(self) -> AsyncIterator[Batch]:
         """Async iteration over `Batch`es (collated data plus plan metadata)."""
         t0 = time.perf_counter()
-        start, ahead = self._start()
-        if start == 0:
-            self._next_batch, self._ahead = 0, set()
-        gen = self._raw_batches(start, ahead)
+        gen = self._raw_batches(self._start())
         try:
             while True:
                 w = time.perf_counter()
                 try:
                     raw = await gen.__anext__()
                 except StopAsyncIteration:
-                    self._pass_ended()
                     break
                 waited = time.perf_counter() - w
                 self.stats.wait_s += waited
@@ -458,9 +521,7 @@ class Loader:
     def batches(self) -> Iterator[Batch]:
         """Sync iteration over `Batch`es; an event loop in a thread does the network work."""
         t0 = time.perf_counter()
-        start, ahead = self._start()
-        if start == 0:
-            self._next_batch, self._ahead = 0, set()
+        cursor = self._start()
         loop = self._network_loop()
         q: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         # Free places in the hand-off buffer, counted on the loop's side so that a full
@@ -468,7 +529,7 @@ class Loader:
         free = asyncio.run_coroutine_threadsafe(_make_semaphore(self.buffer_batches), loop).result(30)
 
         async def run() -> None:
-            gen = self._raw_batches(start, ahead)
+            gen = self._raw_batches(cursor)
             try:
                 async for raw in gen:
                     await free.acquire()
@@ -492,7 +553,6 @@ class Loader:
                 if self.decode_tuner is not None:
                     self.decode_tuner.trainer_waited(waited)  # a float add, from the trainer's thread
                 if kind == "end":
-                    self._pass_ended()
                     return
                 if kind == "error":
                     raise value

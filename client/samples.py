@@ -1,9 +1,9 @@
 """Turn a RawBatch into the list of samples a `collate_fn` expects.
 
-Table rows become dicts of column -> value; numeric list columns become tensors so
-that `default_collate` stacks them, and Hugging Face `Image` columns are decoded like
-images. Images are decoded (or left encoded), giving {"image": uint8 CHW tensor | PIL
-image | bytes, "label": int}: JPEGs to tensors by simplejpeg (libjpeg-turbo with Pillow's
+Table rows become dicts of column -> value; numeric list columns become tensors (NumPy
+arrays in the "numpy" format) so that collation stacks them, and Hugging Face `Image`
+columns are decoded like images. Images are decoded (or left encoded), giving {"image":
+uint8 CHW tensor | uint8 HWC array | PIL image | bytes, "label": int}: JPEGs by simplejpeg (libjpeg-turbo with Pillow's
 settings: the same pixels, about 3x faster on small images, where Pillow's per-image
 overhead dominates; decoding is the trainer's main per-sample CPU cost), everything else,
 and any JPEG simplejpeg refuses (CMYK, corrupt), by Pillow.
@@ -20,7 +20,6 @@ from typing import Any, Literal
 
 import numpy as np
 import pyarrow as pa
-import torch
 
 from croupier.v1 import croupier_pb2 as pb
 
@@ -32,7 +31,19 @@ except ImportError:  # pragma: no cover - a platform without its wheel
     _simplejpeg = None
 _FAST_JPEG_COLORSPACES = ("YCbCr", "Gray")
 
-ImageDecode = Literal["tensor", "pil", "none"]
+ImageDecode = Literal["tensor", "numpy", "pil", "none"]
+#: What a Loader's batches are made of: torch tensors, or NumPy arrays (torch never imported).
+BatchFormat = Literal["torch", "numpy"]
+
+
+def _tensor(arr: np.ndarray) -> Any:
+    import torch  # here, not at the top: the "numpy" format never imports torch
+
+    return torch.from_numpy(arr)
+
+
+def _array(arr: np.ndarray) -> np.ndarray:
+    return arr
 
 
 @dataclass(frozen=True)
@@ -40,7 +51,9 @@ class ImageDecoding:
     """How a Loader turns images into sample values: those of image datasets and the
     `Image` columns of Hugging Face datasets alike.
 
-    output: "tensor" (uint8 CHW), "pil" (a PIL image) or "none" (the encoded bytes).
+    output: "tensor" (a uint8 CHW torch tensor), "numpy" (a uint8 HWC array, what
+        Pillow, JAX and TensorFlow use), "pil" (a PIL image) or "none" (the encoded bytes).
+        A Loader with format="numpy" reads "tensor" as "numpy".
     on_server: the server decodes (raw pixels on the wire: more bytes, no decoding here).
     workers: threads decoding a batch here (0 or 1: inline). None: tuned while running
         (client/decode_tuner.py), from 2 up to the CPU count; a number given is kept.
@@ -69,10 +82,11 @@ def _leaf_dtype(t: pa.DataType) -> np.dtype:
     return np.dtype(t.to_pandas_dtype())
 
 
-def _column_values(col: pa.ChunkedArray) -> list[Any]:
+def _column_values(col: pa.ChunkedArray, fmt: BatchFormat = "torch") -> list[Any]:
     if _numeric_list(col.type):
         dtype = _leaf_dtype(col.type)  # keep Arrow's dtype (int32 token ids stay int32)
-        return [None if v is None else torch.from_numpy(np.array(v, dtype=dtype)) for v in col.to_pylist()]
+        wrap = _array if fmt == "numpy" else _tensor
+        return [None if v is None else wrap(np.array(v, dtype=dtype)) for v in col.to_pylist()]
     return col.to_pylist()
 
 
@@ -107,10 +121,12 @@ def _hf_image(value: dict[str, Any] | None, mode: ImageDecode, index: int, colum
 
 
 def table_samples(
-    table: pa.Table, mode: ImageDecode = "tensor", indices: np.ndarray | None = None, pool: Executor | None = None
+    table: pa.Table, mode: ImageDecode = "tensor", indices: np.ndarray | None = None, pool: Executor | None = None,
+    fmt: BatchFormat = "torch",
 ) -> list[dict[str, Any]]:
-    """Rows as dicts; Hugging Face `Image` columns decoded as `mode` says, like image datasets."""
-    columns = {name: _column_values(table.column(name)) for name in table.column_names}
+    """Rows as dicts; Hugging Face `Image` columns decoded as `mode` says, like image datasets.
+    Numeric list columns become tensors, or arrays in the "numpy" format."""
+    columns = {name: _column_values(table.column(name), fmt) for name in table.column_names}
     if mode != "none":
         idx = indices.tolist() if indices is not None else list(range(table.num_rows))
         for name in hf_image_columns(table.schema):
@@ -144,13 +160,15 @@ def _fixed_width_numeric(col: pa.ChunkedArray) -> np.ndarray | None:
     return values.to_numpy(zero_copy_only=False).reshape(len(arr), width)
 
 
-def collate_table(table: pa.Table) -> dict[str, Any] | None:
-    """`default_collate(table_samples(table))`, built column-wise without per-row Python.
+def collate_table(table: pa.Table, fmt: BatchFormat = "torch") -> dict[str, Any] | None:
+    """`default_collate(table_samples(table))` (or `numpy_collate`'s, for "numpy"), built
+    column-wise without per-row Python.
 
     Returns None when a column has a type or nulls this fast path does not cover, in
     which case the caller goes through the samples. tests/test_client_collate.py pins
     the equality with default_collate.
     """
+    wrap = _array if fmt == "numpy" else _tensor
     out: dict[str, Any] = {}
     for name in table.column_names:
         col = table.column(name)
@@ -158,18 +176,18 @@ def collate_table(table: pa.Table) -> dict[str, Any] | None:
         if col.null_count:
             return None
         if pa.types.is_integer(t):
-            out[name] = torch.from_numpy(col.to_numpy().astype(np.int64))
+            out[name] = wrap(col.to_numpy().astype(np.int64))
         elif pa.types.is_floating(t):
-            out[name] = torch.from_numpy(col.to_numpy().astype(np.float64))
+            out[name] = wrap(col.to_numpy().astype(np.float64))
         elif pa.types.is_boolean(t):
-            out[name] = torch.from_numpy(col.to_numpy(zero_copy_only=False).astype(bool))
+            out[name] = wrap(col.to_numpy(zero_copy_only=False).astype(bool))
         elif pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_binary(t) or pa.types.is_large_binary(t):
             out[name] = col.to_pylist()
         elif _numeric_list(t):
             arr = _fixed_width_numeric(col)
             if arr is None:
                 return None
-            out[name] = torch.from_numpy(np.array(arr, copy=True))
+            out[name] = wrap(np.array(arr, copy=True))
         else:
             return None
     return out
@@ -184,10 +202,10 @@ def decode_image(im: pb.Image, mode: ImageDecode, index: int) -> Any:
             from PIL import Image
 
             return Image.fromarray(arr)
-        return torch.from_numpy(arr.copy()).permute(2, 0, 1)
+        return _pixels(arr.copy(), mode)
     from PIL import Image, UnidentifiedImageError
 
-    if mode == "tensor" and _simplejpeg is not None and im.data[:3] == b"\xff\xd8\xff":
+    if mode in ("tensor", "numpy") and _simplejpeg is not None and im.data[:3] == b"\xff\xd8\xff":
         try:
             # YCbCr and grayscale only: those decode to Pillow's pixels exactly (Pillow
             # converts CMYK/YCCK its own way); and no larger than Pillow's decompression-bomb
@@ -195,7 +213,7 @@ def decode_image(im: pb.Image, mode: ImageDecode, index: int) -> Any:
             h, w, colorspace, _ = _simplejpeg.decode_jpeg_header(im.data)
             limit = Image.MAX_IMAGE_PIXELS
             if colorspace in _FAST_JPEG_COLORSPACES and (limit is None or h * w <= limit):
-                return torch.from_numpy(_simplejpeg.decode_jpeg(im.data, colorspace="RGB")).permute(2, 0, 1)
+                return _pixels(_simplejpeg.decode_jpeg(im.data, colorspace="RGB"), mode)
         except ValueError:
             pass  # corrupt: Pillow's error says why
 
@@ -206,7 +224,31 @@ def decode_image(im: pb.Image, mode: ImageDecode, index: int) -> Any:
         raise SampleDecodeError(f"sample {index} ({im.key or 'no key'}): not a decodable image: {exc}") from exc
     if mode == "pil":
         return img
-    return torch.from_numpy(np.asarray(img).copy()).permute(2, 0, 1)
+    return _pixels(np.asarray(img).copy(), mode)
+
+
+def _pixels(hwc: np.ndarray, mode: ImageDecode) -> Any:
+    """Decoded uint8 HWC pixels as `mode` wants them: the array itself, or a CHW tensor view."""
+    return hwc if mode == "numpy" else _tensor(hwc).permute(2, 0, 1)
+
+
+def numpy_collate(samples: list[Any]) -> Any:
+    """The NumPy counterpart of `default_collate`: dicts collate key by key; arrays of one
+    shape stack (images: [B, H, W, C] uint8); ints become int64, floats float64, bools
+    bool arrays; strings, bytes and anything else (arrays of unequal shapes, None) stay
+    a list."""
+    first = samples[0]
+    if isinstance(first, dict):
+        return {key: numpy_collate([s[key] for s in samples]) for key in first}
+    if isinstance(first, np.ndarray) and all(isinstance(s, np.ndarray) and s.shape == first.shape for s in samples):
+        return np.stack(samples)
+    if all(isinstance(s, (bool, np.bool_)) for s in samples):
+        return np.asarray(samples, dtype=np.bool_)
+    if all(isinstance(s, (int, np.integer)) for s in samples):
+        return np.asarray(samples, dtype=np.int64)
+    if all(isinstance(s, (int, float, np.integer, np.floating)) for s in samples):
+        return np.asarray(samples, dtype=np.float64)
+    return list(samples)
 
 
 def image_samples(
@@ -218,8 +260,9 @@ def image_samples(
     return [{"image": img, "label": int(im.label)} for img, im in zip(decoded, images)]
 
 
-def raw_batch_samples(raw: RawBatch, mode: ImageDecode = "tensor", pool: Executor | None = None) -> list[dict[str, Any]]:
+def raw_batch_samples(raw: RawBatch, mode: ImageDecode = "tensor", pool: Executor | None = None,
+                      fmt: BatchFormat = "torch") -> list[dict[str, Any]]:
     if raw.table is not None:
-        return table_samples(raw.table, mode, raw.indices, pool)
+        return table_samples(raw.table, mode, raw.indices, pool, fmt)
     assert raw.images is not None
     return image_samples(raw.images, raw.indices, mode, pool)

@@ -154,15 +154,6 @@ def test_default_chunks_fit_grpc_default_receive_limit(serve_inprocess) -> None:
     assert sorted(i for c in chunks for i in c.indices) == list(range(48))
 
 
-def test_a_finished_epoch_iterated_again_yields_it_again(serve_inprocess) -> None:
-    srv = serve_inprocess(datasets=["rows=synthetic:200"])
-    loader = Loader("rows", servers=srv.address, batch_size=32, seed=5)
-    first = [b["index"].tolist() for b in loader]
-    second = [b["index"].tolist() for b in loader]  # no set_epoch, as with a DataLoader
-    assert len(first) == 7
-    assert second == first
-
-
 def test_async_iteration_gives_the_same_batches(serve_inprocess) -> None:
     srv = serve_inprocess(datasets=["rows=synthetic:300"])
 

@@ -19,6 +19,12 @@ Tail handling mirrors `DistributedSampler` followed by a per-rank `DataLoader`:
   batch may then be short, and every rank gets an equal, shorter last batch.
 * drop_last=True: only the N // G full global batches are dealt; the tail of P is
   not served this epoch (a different tail each epoch).
+
+Elastic resume (`PlanStart`): a plan may begin part-way through P, after samples an
+earlier shape delivered. It then deals the rest of P, in P's order, cut anew into global
+batches of its own batch_size * world_size, numbered from 0; the padding above wraps
+around to the start of that rest. The permutation itself never changes. Pinned by
+tests/test_elastic_resume.py (old ranks' batches and the new plan's: every index once).
 """
 
 from __future__ import annotations
@@ -109,6 +115,92 @@ class Permutation:
 
 
 @dataclass(frozen=True)
+class PlanStart:
+    """Where an epoch's plan begins in its permutation P (an elastic resume).
+
+    P[0:position] and the ranges [start, end) in `delivered` (flattened: start, end,
+    start, end, ... as on the wire; sorted, apart, all past `position`) were delivered
+    under an earlier shape. The plan deals the rest of P, in order: its position q is P's
+    q-th position not yet delivered. The default is the whole of P.
+    """
+
+    position: int = 0
+    delivered: tuple[int, ...] = ()
+
+    def __bool__(self) -> bool:
+        return self.position != 0 or bool(self.delivered)
+
+    @property
+    def ranges(self) -> list[tuple[int, int]]:
+        d = self.delivered
+        return list(zip(d[0::2], d[1::2]))
+
+    def check(self, num_rows: int) -> None:
+        """Refuse a start that no plan of `num_rows` rows can begin at, naming the value."""
+        if not 0 <= self.position <= num_rows:
+            raise PlanError(f"plan_position {self.position} is outside 0..{num_rows} (rows in the dataset)")
+        if len(self.delivered) % 2:
+            raise PlanError(f"plan_delivered holds {len(self.delivered)} values: it must be (start, end) pairs")
+        last = self.position
+        for start, end in self.ranges:
+            if not last < start < end <= num_rows:
+                raise PlanError(
+                    f"plan_delivered range [{start}, {end}) must be non-empty, sorted and apart, after "
+                    f"{last} and within the dataset's {num_rows} rows"
+                )
+            last = end
+
+    @property
+    def skipped(self) -> int:
+        """Positions of P delivered before the plan begins."""
+        return self.position + sum(end - start for start, end in self.ranges)
+
+    def to_positions(self, q: np.ndarray) -> np.ndarray:
+        """The positions in P of the plan's positions `q` (uint64): each skips what was delivered."""
+        q = np.asarray(q, dtype=np.uint64)
+        if not self.delivered:
+            return q + np.uint64(self.position)
+        starts = np.array(self.delivered[0::2], dtype=np.uint64)
+        lengths = np.array(self.delivered[1::2], dtype=np.uint64) - starts
+        before = np.concatenate(([0], np.cumsum(lengths))).astype(np.uint64)
+        # A range's start expressed as a plan position: where the plan meets it.
+        meets = starts - np.uint64(self.position) - before[:-1]
+        return q + np.uint64(self.position) + before[np.searchsorted(meets, q, side="right")]
+
+    def _gaps(self) -> list[tuple[int, int, int]]:
+        """(first plan position, last plan position + 1, P position of the first) of each
+        run of P between delivered ranges; the last run is open-ended."""
+        runs, q, p = [], 0, self.position
+        for start, end in self.ranges:
+            runs.append((q, q + start - p, p))
+            q, p = q + start - p, end
+        runs.append((q, 2**63, p))
+        return runs
+
+    def after(self, ranges: list[tuple[int, int]], remaining: int) -> "PlanStart":
+        """The start once the plan's positions in `ranges` ([start, end) pairs, any order)
+        are delivered too; positions at or past `remaining` (padding) are ignored. Costs
+        O(ranges x delivered ranges), whatever their lengths."""
+        spans = [(0, self.position), *self.ranges]
+        gaps = self._gaps()
+        for a, b in ranges:
+            b = min(b, remaining)
+            for q0, q1, p0 in gaps:  # the P ranges [a, b) covers, one per run it crosses
+                lo, hi = max(a, q0), min(b, q1)
+                if lo < hi:
+                    spans.append((p0 + lo - q0, p0 + hi - q0))
+        merged: list[list[int]] = []
+        for a, b in sorted(s for s in spans if s[0] < s[1]):
+            if merged and a <= merged[-1][1]:
+                merged[-1][1] = max(merged[-1][1], b)
+            else:
+                merged.append([a, b])
+        if not merged or merged[0][0] != 0:
+            merged.insert(0, [0, 0])
+        return PlanStart(merged[0][1], tuple(v for a, b in merged[1:] for v in (a, b)))
+
+
+@dataclass(frozen=True)
 class RankBatch:
     """One rank's batch: global indices in batch-position order."""
 
@@ -127,6 +219,8 @@ class EpochPlan:
     batch_size: int
     world_size: int = 1
     drop_last: bool = False
+    #: Where in P the plan begins (an elastic resume); default: at its start.
+    start: PlanStart = PlanStart()
 
     def __post_init__(self) -> None:
         if self.num_rows < 1:
@@ -142,6 +236,7 @@ class EpochPlan:
                 f"drop_last with batch_size {self.batch_size} x world_size {self.world_size} = "
                 f"{self.global_batch_size} leaves no full batch of a {self.num_rows}-row dataset"
             )
+        self.start.check(self.num_rows)
 
     @cached_property
     def permutation(self) -> Permutation:
@@ -152,11 +247,16 @@ class EpochPlan:
         return self.batch_size * self.world_size
 
     @property
+    def remaining(self) -> int:
+        """Rows of P this plan deals: all of them, unless it begins after a resume."""
+        return self.num_rows - self.start.skipped
+
+    @property
     def total_size(self) -> int:
         """Samples dealt over all ranks this epoch, padding included."""
         if self.drop_last:
-            return (self.num_rows // self.global_batch_size) * self.global_batch_size
-        return math.ceil(self.num_rows / self.world_size) * self.world_size
+            return (self.remaining // self.global_batch_size) * self.global_batch_size
+        return math.ceil(self.remaining / self.world_size) * self.world_size
 
     @property
     def num_batches(self) -> int:
@@ -175,7 +275,8 @@ class EpochPlan:
 
     @property
     def last_batch_size(self) -> int:
-        return self.batch_length(self.num_batches - 1)
+        # 0 when nothing is left to deal (a resume after the last full batch, drop_last)
+        return self.batch_length(self.num_batches - 1) if self.num_batches else 0
 
     def check_rank(self, rank: int) -> None:
         if not 0 <= rank < self.world_size:
@@ -192,10 +293,14 @@ class EpochPlan:
         full = (end - start) * self.batch_size
         return full - (self.batch_size - self.last_batch_size if end == self.num_batches else 0)
 
-    def _slots(self, rank: int, batch: int) -> np.ndarray:
+    def slot_range(self, rank: int, batch: int) -> tuple[int, int]:
+        """The plan positions [start, end) of `rank`'s `batch` (P's, unless the plan has a start)."""
         length = self.batch_length(batch)
         first = batch * self.global_batch_size + rank * length
-        return np.arange(first, first + length, dtype=np.uint64)
+        return first, first + length
+
+    def _slots(self, rank: int, batch: int) -> np.ndarray:
+        return np.arange(*self.slot_range(rank, batch), dtype=np.uint64)
 
     def rank_batch(self, rank: int, batch: int) -> RankBatch:
         """Global indices of `rank`'s `batch`, in position order."""
@@ -213,14 +318,16 @@ class EpochPlan:
         self.check_rank(rank)
         end = self.num_batches if end is None else end
         block = max(1, min(block, block_samples // self.batch_size))
-        n = np.uint64(self.num_rows)
+        n = np.uint64(self.remaining)
         for lo in range(start, end, block):
             batches = range(lo, min(lo + block, end))
             slots = [self._slots(rank, b) for b in batches]
             flat = np.concatenate(slots)
             padding = flat >= n
-            # Padding wraps around to the start of P, as DistributedSampler's does.
-            indices = self.permutation(np.where(padding, flat % n, flat))
+            # Padding wraps around to the start of P (of its rest, after a resume), as
+            # DistributedSampler's does.
+            positions = np.where(padding, flat % n, flat)
+            indices = self.permutation(self.start.to_positions(positions) if self.start else positions)
             offset = 0
             for b, s in zip(batches, slots):
                 yield RankBatch(batch=b, indices=indices[offset : offset + len(s)], padding=padding[offset : offset + len(s)])

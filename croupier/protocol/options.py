@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
+from croupier.protocol.epoch_plan import PlanStart
 from croupier.v1 import croupier_pb2 as pb
 
 
@@ -34,6 +35,8 @@ class StreamOptions:
     columns: tuple[str, ...] = field(default_factory=tuple)
     #: Decode images on the server (raw HWC uint8) instead of on the trainer.
     decode_images: bool = False
+    #: Where in the epoch's permutation the plan begins (an elastic resume).
+    plan_start: PlanStart = PlanStart()
 
     def to_proto(self) -> pb.StreamEpochRequest:
         return pb.StreamEpochRequest(
@@ -50,6 +53,8 @@ class StreamOptions:
             prefetch=self.prefetch,
             columns=list(self.columns),
             decode_images=self.decode_images,
+            plan_position=self.plan_start.position,
+            plan_delivered=list(self.plan_start.delivered),
         )
 
     @classmethod
@@ -68,6 +73,8 @@ class StreamOptions:
             prefetch=msg.prefetch,
             columns=tuple(msg.columns),
             decode_images=msg.decode_images,
+            # checked with the plan (EpochPlan refuses a start it cannot begin at)
+            plan_start=PlanStart(msg.plan_position, tuple(msg.plan_delivered)),
         )
 
     def with_(self, **changes: object) -> "StreamOptions":

@@ -36,6 +36,8 @@ def header_to_proto(info: DatasetInfo, plan: EpochPlan, span: StreamRange) -> pb
             end_batch=span.end_batch,
             batch_size=plan.batch_size,
             last_batch_size=plan.last_batch_size,
+            plan_position=plan.start.position,
+            plan_delivered=list(plan.start.delivered),
         )
     )
 

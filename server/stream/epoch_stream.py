@@ -126,6 +126,7 @@ def open_epoch_stream(reader: Reader, options: StreamOptions, streams: ServerStr
         batch_size=options.batch_size,
         world_size=options.world_size,
         drop_last=options.drop_last,
+        start=options.plan_start,
     )
     span = StreamRange.of(plan, options.rank, options.start_batch, options.end_batch)
     check_columns(reader.info(), options.columns)

@@ -68,7 +68,7 @@ class DescribeDatasetRequest(_message.Message):
     def __init__(self, name: _Optional[str] = ...) -> None: ...
 
 class StreamEpochRequest(_message.Message):
-    __slots__ = ("dataset", "seed", "epoch", "rank", "world_size", "batch_size", "drop_last", "start_batch", "order", "prefetch", "columns", "end_batch", "decode_images")
+    __slots__ = ("dataset", "seed", "epoch", "rank", "world_size", "batch_size", "drop_last", "start_batch", "order", "prefetch", "columns", "end_batch", "decode_images", "plan_position", "plan_delivered")
     DATASET_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
@@ -82,6 +82,8 @@ class StreamEpochRequest(_message.Message):
     COLUMNS_FIELD_NUMBER: _ClassVar[int]
     END_BATCH_FIELD_NUMBER: _ClassVar[int]
     DECODE_IMAGES_FIELD_NUMBER: _ClassVar[int]
+    PLAN_POSITION_FIELD_NUMBER: _ClassVar[int]
+    PLAN_DELIVERED_FIELD_NUMBER: _ClassVar[int]
     dataset: str
     seed: int
     epoch: int
@@ -95,10 +97,12 @@ class StreamEpochRequest(_message.Message):
     columns: _containers.RepeatedScalarFieldContainer[str]
     end_batch: int
     decode_images: bool
-    def __init__(self, dataset: _Optional[str] = ..., seed: _Optional[int] = ..., epoch: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., batch_size: _Optional[int] = ..., drop_last: _Optional[bool] = ..., start_batch: _Optional[int] = ..., order: _Optional[_Union[FetchOrder, str]] = ..., prefetch: _Optional[int] = ..., columns: _Optional[_Iterable[str]] = ..., end_batch: _Optional[int] = ..., decode_images: _Optional[bool] = ...) -> None: ...
+    plan_position: int
+    plan_delivered: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, dataset: _Optional[str] = ..., seed: _Optional[int] = ..., epoch: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., batch_size: _Optional[int] = ..., drop_last: _Optional[bool] = ..., start_batch: _Optional[int] = ..., order: _Optional[_Union[FetchOrder, str]] = ..., prefetch: _Optional[int] = ..., columns: _Optional[_Iterable[str]] = ..., end_batch: _Optional[int] = ..., decode_images: _Optional[bool] = ..., plan_position: _Optional[int] = ..., plan_delivered: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class StreamHeader(_message.Message):
-    __slots__ = ("dataset", "epoch", "num_batches", "num_samples", "start_batch", "end_batch", "batch_size", "last_batch_size")
+    __slots__ = ("dataset", "epoch", "num_batches", "num_samples", "start_batch", "end_batch", "batch_size", "last_batch_size", "plan_position", "plan_delivered")
     DATASET_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     NUM_BATCHES_FIELD_NUMBER: _ClassVar[int]
@@ -107,6 +111,8 @@ class StreamHeader(_message.Message):
     END_BATCH_FIELD_NUMBER: _ClassVar[int]
     BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
     LAST_BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PLAN_POSITION_FIELD_NUMBER: _ClassVar[int]
+    PLAN_DELIVERED_FIELD_NUMBER: _ClassVar[int]
     dataset: DatasetInfo
     epoch: int
     num_batches: int
@@ -115,7 +121,9 @@ class StreamHeader(_message.Message):
     end_batch: int
     batch_size: int
     last_batch_size: int
-    def __init__(self, dataset: _Optional[_Union[DatasetInfo, _Mapping]] = ..., epoch: _Optional[int] = ..., num_batches: _Optional[int] = ..., num_samples: _Optional[int] = ..., start_batch: _Optional[int] = ..., end_batch: _Optional[int] = ..., batch_size: _Optional[int] = ..., last_batch_size: _Optional[int] = ...) -> None: ...
+    plan_position: int
+    plan_delivered: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, dataset: _Optional[_Union[DatasetInfo, _Mapping]] = ..., epoch: _Optional[int] = ..., num_batches: _Optional[int] = ..., num_samples: _Optional[int] = ..., start_batch: _Optional[int] = ..., end_batch: _Optional[int] = ..., batch_size: _Optional[int] = ..., last_batch_size: _Optional[int] = ..., plan_position: _Optional[int] = ..., plan_delivered: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Image(_message.Message):
     __slots__ = ("data", "label", "format", "height", "width", "channels", "key")
