@@ -12,12 +12,19 @@ benchmark reads the same files through the kernel and so pays the same latency.
         print(fs.stats()["requests"], fs.stats()["max_in_flight"])
 
     python -m croupier.bench.latencyfs mount SRC MNT --median-ms 5   # until Ctrl-C
+    python -m croupier.bench.latencyfs mount SRC MNT --max-background 0  # kernel's cap (12)
     python -m croupier.bench.latencyfs stats MNT
     python -m croupier.bench.latencyfs evict MNT                     # make every file cold
     python -m croupier.bench.latencyfs check
 
 See bench/native/README.md for the delay distributions, the statistics file,
 and what readahead and the page cache do to the requests.
+
+`max_background` is the kernel's per-mount cap on *background* FUSE requests, which is
+how buffered reads and readahead reach the daemon. By default latencyfs raises it to its
+thread count, so the cap never limits a benchmark; `max_background=KERNEL_DEFAULT` (0)
+keeps the kernel's default of 12 (congestion at 9), as s3fs, rclone, gcsfuse and most FUSE
+file systems are mounted, and any other number sets that cap.
 """
 
 from __future__ import annotations
@@ -38,9 +45,13 @@ import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
+from croupier.server.storage.mounts import unescape  # mountinfo's \ooo escapes
+
 DISTRIBUTIONS = ("fixed", "uniform", "lognormal")
 STATS_FILE = ".latencyfs-stats"
 RESET_FILE = ".latencyfs-reset"
+#: `max_background` value that keeps the kernel's default cap (12 background requests).
+KERNEL_DEFAULT = 0
 APT_PACKAGES = "fuse3 libfuse3-dev pkg-config"
 _NATIVE = Path(__file__).resolve().parent / "native"  # C sources ship beside the harness
 _INSTALL_HINT = (f"install them with `sudo apt-get install {APT_PACKAGES}` "
@@ -160,19 +171,6 @@ def _check() -> str | None:
 
 # ---- mounts -----------------------------------------------------------------------
 
-def _unescape_mountinfo(s: str) -> str:
-    # mountinfo escapes space, tab, newline and backslash as \ooo
-    out, i = [], 0
-    while i < len(s):
-        if s[i] == "\\" and i + 3 < len(s) and s[i + 1:i + 4].isdigit():
-            out.append(chr(int(s[i + 1:i + 4], 8)))
-            i += 4
-        else:
-            out.append(s[i])
-            i += 1
-    return "".join(out)
-
-
 def is_mounted(path: str | os.PathLike) -> bool:
     """Whether `path` is a mount point now (by /proc/self/mountinfo: a dead FUSE daemon's
     mount still counts, where os.path.ismount would say False)."""
@@ -181,7 +179,7 @@ def is_mounted(path: str | os.PathLike) -> bool:
         with open("/proc/self/mountinfo") as f:
             for line in f:
                 fields = line.split(" ")
-                if len(fields) > 4 and _unescape_mountinfo(fields[4]) == target:
+                if len(fields) > 4 and unescape(fields[4]) == target:
                     return True
     except OSError:
         return os.path.ismount(target)
@@ -232,7 +230,9 @@ class LatencyFS:
         """A JSON snapshot of the daemon's counters (not delayed, not counted):
         requests, bytes, in_flight, max_in_flight, delay_ms_total, slept_ms_total,
         pread_ms_total, errors, opens, max_request_bytes, request_sizes, threads_seen,
-        resets, config, kernel (negotiated FUSE parameters), libfuse, pid, uptime_s."""
+        caller_tids (the thread ids whose reads reached the daemon since the last reset),
+        resets, config, kernel (negotiated FUSE parameters; max_background 0: the
+        kernel's default, 12), libfuse, pid, uptime_s."""
         with open(self.path / STATS_FILE, "rb") as f:
             return json.loads(f.read())
 
@@ -278,32 +278,41 @@ class LatencyFS:
 
 
 def daemon_args(*, median_ms: float, sigma: float = 0.5, distribution: str = "lognormal",
-                seed: int = 0, max_threads: int = 1024) -> list[str]:
+                seed: int = 0, max_threads: int = 1024, max_background: int | None = None) -> list[str]:
+    """The daemon's options. `max_background`: None raises the kernel's cap on background
+    requests to `max_threads` (the default), KERNEL_DEFAULT (0) keeps the kernel's 12, N sets N."""
     if distribution not in DISTRIBUTIONS:
         raise ValueError(f"distribution must be one of {DISTRIBUTIONS}, not {distribution!r}")
     if median_ms < 0 or sigma < 0:
         raise ValueError("median_ms and sigma must be >= 0")
-    return ["--median-ms", repr(float(median_ms)), "--sigma", repr(float(sigma)),
+    if max_background is not None and not 0 <= max_background <= 65535:
+        raise ValueError(f"max_background must be 0 (the kernel's default) to 65535, not {max_background}")
+    args = ["--median-ms", repr(float(median_ms)), "--sigma", repr(float(sigma)),
             "--distribution", distribution, "--seed", str(int(seed)), "--max-threads", str(int(max_threads))]
+    if max_background is not None:
+        args += ["--max-background", str(int(max_background))]
+    return args
 
 
 @contextlib.contextmanager
 def mounted(source: str | os.PathLike, mountpoint: str | os.PathLike | None = None, *,
             median_ms: float, sigma: float = 0.5, distribution: str = "lognormal", seed: int = 0,
-            max_threads: int = 1024, fuse_options: Sequence[str] = (), binary: str | os.PathLike | None = None,
-            timeout: float = 20.0) -> Iterator[LatencyFS]:
+            max_threads: int = 1024, max_background: int | None = None, fuse_options: Sequence[str] = (),
+            binary: str | os.PathLike | None = None, timeout: float = 20.0) -> Iterator[LatencyFS]:
     """Mount `source` read-only at `mountpoint` (a fresh temporary folder when None) with
     every read request delayed, and yield a LatencyFS once the mount answers.
 
     On exit, also when the body raised: unmount (fusermount3 -u, then lazy), reap the
     daemon (SIGTERM, then SIGKILL), and remove the mount point if it was created here.
     `fuse_options` go to the daemon as `-o` options (e.g. "max_read=65536", "allow_other").
+    `max_background`: None (default) raises the kernel's cap on background requests to
+    `max_threads`; KERNEL_DEFAULT (0) keeps the kernel's 12, as most FUSE mounts have it.
     """
     src = Path(source).resolve()
     if not src.is_dir():
         raise FileNotFoundError(f"latencyfs source folder {src} does not exist")
     args = daemon_args(median_ms=median_ms, sigma=sigma, distribution=distribution,
-                       seed=seed, max_threads=max_threads)
+                       seed=seed, max_threads=max_threads, max_background=max_background)
     exe = Path(binary) if binary is not None else build()
     work = Path(tempfile.mkdtemp(prefix="latencyfs-"))
     created: Path | None = None
@@ -325,7 +334,7 @@ def mounted(source: str | os.PathLike, mountpoint: str | os.PathLike | None = No
         cmd += ["-o", opt]
     cmd += [str(src), str(mnt)]
     config = {"median_ms": median_ms, "sigma": sigma, "distribution": distribution, "seed": seed,
-              "max_threads": max_threads}
+              "max_threads": max_threads, "max_background": max_background}
     proc: subprocess.Popen | None = None
     try:
         with open(log, "wb") as logf:
@@ -438,6 +447,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("mountpoint")
     _add_delay_args(p)
     p.add_argument("--max-threads", type=int, default=1024)
+    p.add_argument("--max-background", type=int, default=None,
+                   help="kernel cap on background FUSE requests (default: --max-threads; 0: the kernel's default, 12)")
     p.add_argument("-o", dest="fuse_options", action="append", default=[], help="FUSE mount option")
     p = sub.add_parser("stats", help="print a mount's statistics (JSON)")
     p.add_argument("mountpoint")
@@ -484,7 +495,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             signal.signal(sig, lambda *_: stop.set())
         with mounted(a.source, a.mountpoint, median_ms=a.median_ms, sigma=a.sigma,
                      distribution=a.distribution, seed=a.seed, max_threads=a.max_threads,
-                     fuse_options=a.fuse_options) as fs:
+                     max_background=a.max_background, fuse_options=a.fuse_options) as fs:
             print(f"latencyfs: {fs.source} -> {fs.path} ({a.distribution}, median {a.median_ms} ms, "
                   f"sigma {a.sigma}, seed {a.seed}), daemon pid {fs.pid}; Ctrl-C to unmount", flush=True)
             try:

@@ -75,6 +75,9 @@ class Condition:
     #: Drop the dataset's cached pages this often during a case too (latency FS only): a data set
     #: much larger than memory, where pages read ahead are gone before they are asked for.
     evict_every_s: float = 0.0
+    #: The latency FS's cap on background FUSE requests: None raised (to its threads), 0 the
+    #: kernel's default (12), as s3fs, rclone, gcsfuse and most FUSE mounts have it.
+    max_background: int | None = None
 
     @property
     def mean_latency_s(self) -> float:
@@ -87,6 +90,12 @@ LOCAL = Condition("local", "page cache (local files)")
 
 def latency_fs(ms: float = 5.0) -> Condition:
     return Condition("fuse", f"latency FS {ms:g} ms", ms)
+
+
+def latency_fs_kernel_defaults(ms: float = 5.0) -> Condition:
+    """The latency FS mounted as most FUSE file systems are: the kernel's cap of 12
+    background requests (buffered preads), readahead 128 KB."""
+    return Condition("fuse", f"latency FS {ms:g} ms, kernel defaults", ms, max_background=latencyfs.KERNEL_DEFAULT)
 
 
 def latency_fs_cold(ms: float = 5.0, every_s: float = 0.5) -> Condition:
@@ -143,7 +152,8 @@ class RealSuite:
             group: list[RealCase] = []
             for ds, sys_ in systems.items():
                 group += [RealCase(ds, cond, s) for s in sys_]
-                if self.profile and cond.key == "fuse" and not cond.evict_every_s and ds == "text":
+                if (self.profile and cond.key == "fuse" and not cond.evict_every_s and cond.max_background is None
+                        and ds == "text"):
                     group.append(RealCase(ds, cond, CROUPIER, "profile"))
             if group:
                 out.append((cond, group))
@@ -165,7 +175,8 @@ def real() -> RealSuite:
     # memory would not. Images are read once per epoch, so they need no such variant.
     cold = {"text": (CROUPIER, dataloader(2), dataloader(8))}
     return RealSuite(name="real", data=DataSpec(text_rows=1_000_000, images=20_000, shard_size=1_000),
-                     matrix=((latency_fs(5.0), every), (latency_fs_cold(5.0, 0.5), cold), (s3(20.0), every)))
+                     matrix=((latency_fs(5.0), every), (latency_fs_kernel_defaults(5.0), every),
+                             (latency_fs_cold(5.0, 0.5), cold), (s3(20.0), every)))
 
 
 def real_quick() -> RealSuite:
@@ -274,7 +285,7 @@ def open_storage(cond: Condition, data: BenchData) -> Iterator[StorageUnderTest]
         yield LocalFiles(data)
     elif cond.key == "fuse":
         with latencyfs.mounted(data.root, median_ms=cond.median_ms, sigma=cond.sigma, distribution="lognormal",
-                               seed=cond.seed) as fs:
+                               seed=cond.seed, max_background=cond.max_background) as fs:
             yield LatencyFSStorage(fs, cond)
     elif cond.key == "s3":
         from . import s3server

@@ -103,6 +103,25 @@ class StorageStats:
             now.add_metric([scheme], t["in_flight"])
             peak.add_metric([scheme], t["max_in_flight"])
         yield from (reads, nbytes, errors, now, peak)
+        yield from self._read_paths()
+
+    def _read_paths(self):
+        """Each mount's read path (LocalStore measures it, storage/readpath.py) and the
+        concurrency each path measured (R * L0)."""
+        path = GaugeMetricFamily("croupier_storage_read_path", "The read path a mount uses (1)",
+                                 labels=["mount", "fs_type", "path"])
+        ceiling = GaugeMetricFamily("croupier_storage_concurrency_ceiling",
+                                    "Reads a mount completed at once in the probe (Little's law: rate x latency)",
+                                    labels=["mount", "path"])
+        reads = CounterMetricFamily("croupier_storage_path_reads", "Reads issued by each read path", labels=["path"])
+        for store in self.stores:
+            for choice in getattr(store, "read_paths", lambda: [])():
+                path.add_metric([choice.mount.point, choice.mount.fs_type, choice.path], 1)
+                for name, value in choice.ceilings.items():
+                    ceiling.add_metric([choice.mount.point, name], value)
+            for name, count in getattr(store, "path_reads", {}).items():
+                reads.add_metric([name], count)
+        yield from (path, ceiling, reads)
 
 
 class ServerMetrics:

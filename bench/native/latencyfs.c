@@ -66,6 +66,7 @@ static struct {
 	uint64_t key; /* splitmix64(seed): the generator's stream key */
 	unsigned max_threads;
 	unsigned max_background;
+	int kernel_background; /* --max-background 0: leave the kernel's default (12) */
 	double timeout_s; /* entry/attr cache timeout (the source is static) */
 	unsigned max_read; /* the -o max_read=N mount option, echoed to conn->max_read */
 	struct timespec started;
@@ -102,6 +103,28 @@ static struct {
 	atomic_uint_fast64_t threads_seen; /* distinct worker threads that served a read */
 } st;
 
+/* Thread ids of the callers whose read()s reached us (the kernel passes the requesting
+ * thread's id): a test can tell which thread of a client faulted a mapped page or ran a
+ * pread. A lock-free open-addressed set (reset from a signal handler): 0 is empty. */
+#define N_CALLER_SLOTS 4096
+static atomic_int callers[N_CALLER_SLOTS];
+
+static void caller_seen(int tid)
+{
+	if (tid <= 0)
+		return;
+	unsigned h = ((unsigned)tid * 2654435761u) % N_CALLER_SLOTS;
+	for (int i = 0; i < N_CALLER_SLOTS; i++, h = (h + 1) % N_CALLER_SLOTS) {
+		int cur = atomic_load(&callers[h]);
+		if (cur == tid)
+			return;
+		if (cur == 0 && atomic_compare_exchange_strong(&callers[h], &cur, tid))
+			return;
+		if (cur == tid) /* another thread put it there meanwhile */
+			return;
+	}
+}
+
 static _Thread_local int thread_seen;
 
 static void stats_reset(void)
@@ -117,6 +140,8 @@ static void stats_reset(void)
 	for (int i = 0; i < N_SIZE_BUCKETS; i++)
 		atomic_store(&st.sizes[i], 0);
 	atomic_store(&st.max_in_flight, atomic_load(&st.in_flight));
+	for (int i = 0; i < N_CALLER_SLOTS; i++)
+		atomic_store(&callers[i], 0);
 	atomic_fetch_add(&st.resets, 1);
 }
 
@@ -255,7 +280,13 @@ static char *stats_json(size_t *len)
 	for (int i = 0; i < N_SIZE_BUCKETS; i++)
 		fprintf(f, "%s\"%s\": %llu", i ? ", " : "", bucket_names[i],
 			(unsigned long long)atomic_load(&st.sizes[i]));
-	fprintf(f, "}, ");
+	fprintf(f, "}, \"caller_tids\": [");
+	for (int i = 0, n = 0; i < N_CALLER_SLOTS; i++) {
+		int tid = atomic_load(&callers[i]);
+		if (tid)
+			fprintf(f, "%s%d", n++ ? ", " : "", tid);
+	}
+	fprintf(f, "], ");
 	fprintf(f, "\"config\": {\"distribution\": \"%s\", \"median_ms\": %.6g, \"sigma\": %.6g, "
 		   "\"seed\": %llu, \"max_threads\": %u, \"max_background\": %u, \"timeout_s\": %.6g}, ",
 		dist_names[cfg.dist], cfg.median_ms, cfg.sigma, (unsigned long long)cfg.seed,
@@ -285,16 +316,23 @@ static void *lfs_init(struct fuse_conn_info *conn, struct fuse_config *fc)
 	fc->auto_cache = 0;
 	fc->direct_io = 0; /* mmap must work (Arrow memory-maps files) */
 
-	/* Background requests (async readahead and, with async_read, every buffered read)
-	 * are capped per connection by max_background (kernel default 12!). Raise it so
-	 * that it never caps the concurrency below the thread count. */
 	/* libfuse insists that init() repeats the max_read mount option */
 	if (cfg.max_read)
 		conn->max_read = cfg.max_read;
 
-	unsigned bg = cfg.max_background;
-	conn->max_background = bg;
-	conn->congestion_threshold = bg - bg / 4;
+	/* Background requests (async readahead and, with async_read, every buffered read)
+	 * are capped per connection by max_background (kernel default 12!). Raise it so
+	 * that it never caps the concurrency below the thread count, unless asked to keep
+	 * the kernel's default (0 at init leaves the kernel's 12 and 9): the case of most
+	 * FUSE file systems users really mount. */
+	if (!cfg.kernel_background) {
+		unsigned bg = cfg.max_background;
+		conn->max_background = bg;
+		conn->congestion_threshold = bg - bg / 4;
+	} else {
+		conn->max_background = 0;
+		conn->congestion_threshold = 0;
+	}
 
 	cfg.conn_max_read = conn->max_read;
 	cfg.conn_max_readahead = conn->max_readahead;
@@ -452,6 +490,7 @@ static int lfs_read(const char *path, char *buf, size_t size, off_t off, struct 
 	int_fast64_t now = atomic_fetch_add(&st.in_flight, 1) + 1;
 	atomic_max_i64(&st.max_in_flight, now);
 	uint64_t k = atomic_fetch_add(&st.requests, 1);
+	caller_seen((int)fuse_get_context()->pid);
 
 	struct timespec t0;
 	clock_gettime(CLOCK_MONOTONIC, &t0);
@@ -529,8 +568,9 @@ static void usage(FILE *out, const char *prog)
 		"                           lognormal: exp(N(ln M, S^2))\n"
 		"  --seed N               seed of the delay sequence (default 0)\n"
 		"  --max-threads N        libfuse worker threads at most (default 1024)\n"
-		"  --max-background N     kernel cap on background (readahead) requests\n"
-		"                           (default = max threads, at most 65535)\n"
+		"  --max-background N     kernel cap on background (readahead, buffered read)\n"
+		"                           requests (default = max threads, at most 65535;\n"
+		"                           0: keep the kernel's default, 12)\n"
 		"  --timeout S            entry/attr cache timeout in seconds (default 60)\n"
 		"  --print-delays K       print the first K delays in ms, one a line, and exit\n"
 		"  --die-with-parent      get SIGTERM (so unmount) when the parent thread dies\n"
@@ -638,11 +678,12 @@ int main(int argc, char **argv)
 			}
 			cfg.max_threads = (unsigned)u;
 		} else if ((v = opt_value(argc, argv, &i, "--max-background"))) {
-			if (parse_u64(v, &u) || u < 1 || u > 65535) {
+			if (parse_u64(v, &u) || u > 65535) {
 				fprintf(stderr, "latencyfs: bad --max-background %s\n", v);
 				return 2;
 			}
 			cfg.max_background = (unsigned)u;
+			cfg.kernel_background = u == 0;
 		} else if ((v = opt_value(argc, argv, &i, "--timeout"))) {
 			if (parse_double(v, &cfg.timeout_s) || !(cfg.timeout_s >= 0)) {
 				fprintf(stderr, "latencyfs: bad --timeout %s\n", v);
@@ -679,7 +720,7 @@ int main(int argc, char **argv)
 			if (p == o || p[-1] == ',')
 				cfg.max_read = (unsigned)strtoul(p + 9, NULL, 0);
 	}
-	if (!cfg.max_background)
+	if (!cfg.max_background && !cfg.kernel_background)
 		cfg.max_background = cfg.max_threads < 65535 ? cfg.max_threads : 65535;
 
 	if (print_mode) {

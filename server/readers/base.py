@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
 from ..storage import Store, default_local_store
+from ..storage.mounts import ObjectStoreMount
 
 DatasetKind = Literal["table", "image"]
 
@@ -137,6 +138,9 @@ class Reader(abc.ABC):
         self._executor = executor
         #: The storage every read goes through (the process's LocalStore when not given).
         self.store: Store = store if store is not None else default_local_store()
+        #: The FUSE mount of a bucket the dataset lies on, with the URL to serve instead
+        #: (storage/mounts.py); set by open_dataset, None elsewhere.
+        self.object_store_mount: ObjectStoreMount | None = None
 
     @property
     def executor(self) -> concurrent.futures.Executor | None:
@@ -231,8 +235,8 @@ def dataset_files(store: Store, path: str, suffixes: Sequence[str], what: str) -
     """The files of a dataset through `store`: `path` itself, or the files of folder
     `path` whose suffix is one of `suffixes` (any case), sorted by name."""
     if store.is_dir(path):
-        _, entries = store.list_dir(path)
-        files = [e.path for e in entries if e.path.lower().endswith(tuple(suffixes))]
+        names = store.list_names(path)[1]  # names only: a stat per file is a request on some mounts
+        files = [store.join(path, n) for n in names if n.lower().endswith(tuple(suffixes))]
         if not files:
             raise DatasetError(f"{what} {store.url(path)}: the folder holds no {'/'.join(suffixes)} files")
         return files

@@ -43,7 +43,7 @@ def _load_json(store: Store, path: str) -> Any:
 
 def dataset_dict_error(store: Store, root: str) -> DatasetError:
     splits = _load_json(store, store.join(root, DICT_FILE)).get("splits") or [
-        d for d in store.list_dir(root)[0] if store.is_file(store.join(root, d, STATE_FILE))
+        d for d in store.list_names(root)[0] if store.is_file(store.join(root, d, STATE_FILE))
     ]
     example = store.url(store.join(root, splits[0] if splits else "train"))
     return DatasetError(

@@ -8,20 +8,38 @@ extension is one of IMAGE_EXTENSIONS, in any case.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import os
+from collections.abc import Iterator, Sequence
 
 from ..storage import Store, default_local_store
+from ..storage.mounts import object_store_mount_client
 from .base import DatasetError, DatasetInfo, ImagePayload, Reader
 from .images import IMAGE_EXTENSIONS, ImageItem, checked_format, image_payload, is_image_name, read_bytes
+from .listing import Progress, Tree
+from .tree_cache import cached_tree
 
 
-def looks_like_imagefolder(store: Store, path: str) -> bool:
-    """Some subfolder of `path` directly holds an image file."""
-    if not store.is_dir(path):
-        return False
-    return any(
-        any(is_image_name(f.path) for f in store.list_dir(store.join(path, sub))[1]) for sub in store.list_dir(path)[0]
-    )
+def _walk(tree: Tree, cls: str) -> Iterator[str]:
+    """Image files under root/cls in torchvision's order: folders sorted by path (as
+    `sorted(os.walk(...))` does), each folder's files sorted by name."""
+    folders, todo = [], [cls]
+    while todo:
+        rel = todo.pop()
+        folders.append(rel)
+        todo.extend(f"{rel}/{d}" for d in tree[rel][0])
+    for rel in sorted(folders):
+        yield from (f"{rel}/{name}" for name in tree[rel][1] if is_image_name(name))
+
+
+def image_class_folders(store: Store, path: str, dirs: Sequence[str], limit: int) -> list[str]:
+    """The first `limit` of `dirs` (subfolders of `path`) that directly hold an image file."""
+    found: list[str] = []
+    for sub in dirs:
+        if len(found) >= limit:
+            break
+        if any(is_image_name(f) for f in store.list_names(store.join(path, sub))[1]):
+            found.append(sub)
+    return found
 
 
 class ImageFolderReader(Reader):
@@ -29,17 +47,25 @@ class ImageFolderReader(Reader):
     #: Decode every image in `encode` before sending it (--verify-images).
     verify_images = False
 
-    def __init__(self, name: str, path: str, store: Store | None = None):
+    def __init__(
+        self, name: str, path: str, store: Store | None = None, cache_dir: str | os.PathLike[str] | None = None,
+        progress: Progress | None = None,
+    ):
         super().__init__(name, path, store=store if store is not None else default_local_store())
         store = self.store
         if not store.is_dir(path):
             raise DatasetError(f"ImageFolder {store.url(path)} is not a folder")
         self.root = path
-        self.classes = store.list_dir(path)[0]
+        self.progress = progress or Progress(f"dataset {name} ({store.url(path)})")
+        # One listing per folder, no request per file; cached between starts where the
+        # folders' mtimes say when they changed (tree_cache.py).
+        on_bucket_mount = store.scheme == "file" and object_store_mount_client(path) is not None
+        tree, self.index_cached = cached_tree(store, path, self.progress, cache_dir, "imagefolder", not on_bucket_mount)
+        self.classes = tree[""][0]
         self.keys: list[str] = []  # file paths relative to root, '/'-separated
         self.labels: list[int] = []
         for label, cls in enumerate(self.classes):
-            for rel in self._walk(cls):
+            for rel in _walk(tree, cls):
                 self.keys.append(rel)
                 self.labels.append(label)
         if not self.keys:
@@ -47,18 +73,6 @@ class ImageFolderReader(Reader):
                 f"ImageFolder {store.url(path)}: no image files ({', '.join(IMAGE_EXTENSIONS)}) in its class folders "
                 f"{self.classes[:10]}"
             )
-
-    def _walk(self, cls: str) -> list[str]:
-        """Image files under root/cls in torchvision's order: folders sorted by path (as
-        `sorted(os.walk(...))` does), each folder's files sorted by name."""
-        folders: list[tuple[str, list[str]]] = []
-        todo = [cls]
-        while todo:
-            rel = todo.pop()
-            dirs, files = self.store.list_dir(self.store.join(self.root, rel))
-            folders.append((rel, sorted(f.path.rsplit("/", 1)[-1] for f in files if is_image_name(f.path))))
-            todo.extend(f"{rel}/{d}" for d in dirs)
-        return [f"{rel}/{name}" for rel, names in sorted(folders) for name in names]
 
     def __len__(self) -> int:
         return len(self.keys)

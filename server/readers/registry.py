@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 from collections.abc import Callable, Mapping, Sequence
@@ -9,12 +10,15 @@ from typing import Any
 
 from .arrow_ipc import ARROW_SUFFIXES, ArrowIPCReader
 from ..storage import Store, default_local_store
+from ..storage.mounts import object_store_mount
 from .base import DatasetError, OutsideRootsError, Reader
 from .hf_disk import HFDiskReader, is_hf_folder
-from .imagefolder import ImageFolderReader, looks_like_imagefolder
+from .imagefolder import ImageFolderReader, image_class_folders
 from .images import is_image_name
 from .parquet import ParquetReader
 from .webdataset import WebDatasetReader
+
+log = logging.getLogger("croupier.server.open")
 
 _Opener = Callable[[str, str, "str | None", Store], Reader]
 
@@ -23,7 +27,7 @@ OPENERS: dict[str, _Opener] = {
     "arrow": lambda name, path, cache_dir, store: ArrowIPCReader(name, path, store=store, cache_dir=cache_dir),
     "hf": lambda name, path, cache_dir, store: HFDiskReader(name, path, store=store, cache_dir=cache_dir),
     "parquet": lambda name, path, cache_dir, store: ParquetReader(name, path, store=store),
-    "imagefolder": lambda name, path, cache_dir, store: ImageFolderReader(name, path, store=store),
+    "imagefolder": lambda name, path, cache_dir, store: ImageFolderReader(name, path, store=store, cache_dir=cache_dir),
     "webdataset": lambda name, path, cache_dir, store: WebDatasetReader(name, path, cache_dir=cache_dir, store=store),
 }
 FORMATS = tuple(OPENERS)
@@ -68,19 +72,18 @@ def detect_format(path: str | os.PathLike, store: Store | None = None) -> str:
 
 def folder_formats(store: Store, path: str) -> dict[str, list[str]]:
     """The formats whose data folder `path` holds -> the names showing each (sorted):
-    its files by suffix, loose images, and class folders of images (imagefolder)."""
+    its files by suffix, loose images, and class folders of images (imagefolder, the
+    first three found). Listings by name only: no request per file."""
     found: dict[str, list[str]] = {}
-    dirs, files = store.list_dir(path)
-    for f in files:
-        name = f.path.rsplit("/", 1)[-1]
+    dirs, files = store.list_names(path)
+    for name in files:
         suffix = os.path.splitext(name)[1].lower()
         fmt = SUFFIX_FORMATS.get(suffix) or ("images" if is_image_name(name) else None)
         if fmt is not None:
             found.setdefault(fmt, []).append(name)
-    if looks_like_imagefolder(store, path):
-        found.setdefault("imagefolder", []).extend(
-            f"{d}/" for d in dirs if any(is_image_name(f.path) for f in store.list_dir(store.join(path, d))[1])
-        )
+    classes = image_class_folders(store, path, dirs, limit=3)
+    if classes:
+        found["imagefolder"] = [f"{d}/" for d in classes]
     if set(found) == {"images"}:
         return {}  # loose images with no class folders: not a dataset (the caller says which layouts are)
     return found
@@ -120,12 +123,18 @@ def open_dataset(
         key = os.path.abspath(location.removeprefix("file://"))
         if not os.path.exists(key):
             raise DatasetError(f"dataset {key} does not exist")
+    name = name or default_name(location)
+    # A FUSE client of a bucket under a local path: say so, with the URL to serve instead.
+    mount = object_store_mount(key) if store.scheme == "file" else None
+    if mount is not None:
+        log.warning("%s", mount.message(name, key))
     fmt = format or detect_format(key, store)
     opener = OPENERS.get(fmt)
     if opener is None:
         raise DatasetError(f"dataset {store.url(key)}: unknown format {fmt!r}; formats: {', '.join(FORMATS)}")
-    reader = opener(name or default_name(location), key, cache_dir, store)
+    reader = opener(name, key, cache_dir, store)
     reader.path = store.url(key)  # what the user named: messages and DatasetInfo show it
+    reader.object_store_mount = mount
     return reader
 
 

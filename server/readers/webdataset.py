@@ -31,6 +31,7 @@ from ..storage import Store, default_local_store
 from ..storage.fileobj import open_store_file
 from .base import DatasetError, DatasetInfo, ImagePayload, Reader, dataset_files
 from .images import ImageItem, checked_format, image_payload, read_bytes
+from .tree_cache import write_json_atomic
 
 INDEX_VERSION = 2
 IMAGE_EXTS = ("jpg", "jpeg", "png", "webp", "bmp", "gif")
@@ -149,20 +150,7 @@ def _read_index(path: Path, stamp: dict[str, int]) -> ShardIndex | None:
 
 
 def _write_index(path: Path, stamp: dict[str, int], samples: ShardIndex) -> None:
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-    created = False
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        # A new file, never an existing name: a link planted under the temporary name (the
-        # data folder may be writable by others) must not redirect the server's write.
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
-        created = True
-        with os.fdopen(fd, "w") as f:
-            f.write(json.dumps({"stamp": stamp, "samples": samples}))
-        os.replace(tmp, path)  # replaces a link named like the index, never writes through it
-    except OSError:
-        if created:
-            tmp.unlink(missing_ok=True)  # an unwritable cache only costs a rescan next time
+    write_json_atomic(path, {"stamp": stamp, "samples": samples})
 
 
 def load_index(shard: str | Path, cache_dir: str | os.PathLike | None = None, store: Store | None = None) -> ShardIndex:

@@ -5,7 +5,7 @@ says *how*: it issues the reads concurrently, counts them, and hands back bytes.
 store never knows what a row or an image is. Two halves, as in Arrow's RandomAccessFile
 and object_store's `get_range`:
 
-* open-time calls (`size`, `read_range`, `list_files`, `list_dir`) are blocking: the
+* open-time calls (`size`, `read_range`, `list_files`, `list_dir`, `list_names`) are blocking: the
   catalog opens datasets in an executor, and reads metadata once there;
 * the hot path, `read` / `read_ranges`, is async: each call is a real read on the
   storage (a pread, a range GET), awaited on the event loop while hundreds to
@@ -145,6 +145,14 @@ class Store(abc.ABC):
     @abc.abstractmethod
     def list_dir(self, path: str) -> tuple[list[str], list[FileEntry]]:
         """One level of folder `path`: (names of subfolders, files), each sorted by name."""
+
+    def list_names(self, path: str) -> tuple[list[str], list[str]]:
+        """One level of folder `path` by name only: (subfolder names, file names), each
+        sorted. A file system answers it from the directory listing alone (names and
+        types), where `list_dir`'s sizes cost a stat per file: on a FUSE mount of a
+        bucket, one request per file (rclone: a HEAD each)."""
+        dirs, files = self.list_dir(path)
+        return dirs, [f.path.rsplit("/", 1)[-1] for f in files]
 
     def list_files(self, path: str) -> list[FileEntry]:
         """Every file under folder `path`, at any depth, sorted by path."""

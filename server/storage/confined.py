@@ -33,7 +33,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from .base import FileEntry, Range, Store
-from .local import LocalStore, _pread_all
+from .local import LocalStore, _pread_all, scandir_names
 from .native import roots_blob
 
 #: Linux: the kernel's path of an open descriptor, authoritative after symlinks.
@@ -156,6 +156,10 @@ class ConfinedStore(Store):
                 elif e.is_file():
                     files.append(FileEntry(e.path, e.stat().st_size))
         return sorted(dirs), sorted(files, key=lambda f: f.path)
+
+    def list_names(self, path: str) -> tuple[list[str], list[str]]:
+        """As `list_dir` (links checked against the roots), by name only: no stat per file."""
+        return scandir_names(self.check(path), on_link=self.check)
 
     def _read_range(self, path: str, offset: int, size: int) -> bytes:
         if path in self._pins:

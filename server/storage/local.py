@@ -7,6 +7,12 @@ dataset reads row by row are opened once and kept (`pin`: an open on NFS or FUSE
 a round trip of its own), marked POSIX_FADV_RANDOM so that a 1 KB row does not pull
 128 KB of kernel read-ahead over the network; other files (images) are opened, read and
 closed by the thread that reads them.
+
+A pinned file is read one of two ways, chosen per mount (st_dev) by measurement when the
+mount's first file is pinned (readpath.py): preads, or copies out of a read-only mapping
+of the file, whose page faults the pool's threads take (on a FUSE mount with the kernel's
+default cap on background requests, the only way past it). CROUPIER_READ_PATH or
+`read_path=` forces one. The Python pool reads with preads only.
 """
 
 from __future__ import annotations
@@ -16,10 +22,10 @@ import collections
 import os
 import stat
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from .base import FileEntry, Range, Store
-from . import native
+from . import native, readpath
 from .iopool import IOPool
 
 #: Open files kept at once; older unused ones are closed (stays well under ulimit -n).
@@ -104,6 +110,21 @@ def _pread_all(fd: int, offset: int, size: int) -> bytes:
     return b"".join(parts)
 
 
+def scandir_names(path: str, on_link: Callable[[str], object] | None = None) -> tuple[list[str], list[str]]:
+    """(subfolder names, file names) of `path`, sorted, from readdir's names and types:
+    no stat per file (a link is followed, a stat each). `on_link(path)` sees each link."""
+    dirs, files = [], []
+    with os.scandir(path) as it:
+        for e in it:
+            if on_link is not None and e.is_symlink():
+                on_link(e.path)
+            if e.is_dir():
+                dirs.append(e.name)
+            elif e.is_file():
+                files.append(e.name)
+    return sorted(dirs), sorted(files)
+
+
 def _raise_open_files_limit() -> None:
     """Datasets keep their files open: lift the soft limit on open files to the hard one
     (servers commonly do; 1,024 is a common soft default)."""
@@ -127,8 +148,12 @@ class LocalStore(Store):
         max_open_files: int = DEFAULT_MAX_OPEN_FILES,
         pool: IOPool | None = None,
         native_pool: bool | None = None,
+        read_path: str | None = None,
     ):
         super().__init__()
+        #: "pread", "mmap" or "auto" (measure per mount); from CROUPIER_READ_PATH when None.
+        self.read_path = readpath.resolve(read_path)
+        self.io_threads = io_threads
         use_native = native.available() if native_pool is None else native_pool
         #: The native pool when built (and not turned off), else None.
         self.native = native.NativeReadPool(io_threads) if use_native and pool is None else None
@@ -137,6 +162,10 @@ class LocalStore(Store):
         self._pinned: dict[str, int] = {}  # path -> fd, read without a lock on the hot path
         self._pins: dict[str, int] = {}  # path -> datasets that pinned it
         self._pin_lock = threading.Lock()
+        self._maps: dict[str, object] = {}  # path -> native.Mapping, for mounts read by page faults
+        self._mounts: dict[int, readpath.Choice] = {}  # st_dev -> its read path
+        #: Reads issued by each path (counted on the event loop's thread).
+        self.path_reads = {"pread": 0, "mmap": 0}
         _raise_open_files_limit()
 
     @property
@@ -145,16 +174,58 @@ class LocalStore(Store):
         return self.native.threads if self.native is not None else self.pool.threads
 
     def pin(self, path: str) -> None:
-        """Keep `path` open until as many `unpin`s (blocking: call at dataset open time)."""
+        """Keep `path` open until as many `unpin`s (blocking: call at dataset open time);
+        mapped too when its mount is read by page faults (the first pin on a mount
+        measures which path it wants)."""
         with self._pin_lock:
             if path in self._pinned:
                 self._pins[path] += 1
+                self._remap_if_grown(path)
                 return
             fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-            if hasattr(os, "posix_fadvise"):
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+            try:
+                if hasattr(os, "posix_fadvise"):
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+                if self._mount_choice(fd).path == "mmap":
+                    self._maps[path] = native.Mapping(fd)
+            except BaseException:
+                os.close(fd)
+                raise
             self._pinned[path] = fd
             self._pins[path] = 1
+
+    def _mount_choice(self, fd: int) -> readpath.Choice:
+        """The read path of the mount `fd` lies on: measured once per mount (forced by
+        read_path; preads only without the native pool)."""
+        st = os.fstat(fd)
+        choice = self._mounts.get(st.st_dev)
+        if choice is not None:
+            return choice
+        mount = readpath.mount_of(st.st_dev)
+        if self.native is None:
+            choice = readpath.Choice(mount, "pread", "the Python read pool has preads only", asked=self.io_threads)
+        elif self.read_path != "auto":
+            choice = readpath.Choice(mount, self.read_path, f"forced ({readpath.ENV} or read_path)", asked=self.io_threads)
+        else:
+            measured = readpath.probe(fd, st.st_size, mount, self.io_threads)
+            if measured is None:  # too small to measure: preads, and the next file tries again
+                return readpath.Choice(mount, "pread", "not measured yet", asked=self.io_threads)
+            choice = measured
+            readpath.report(choice)
+        self._mounts[st.st_dev] = choice
+        return choice
+
+    def read_paths(self) -> list[readpath.Choice]:
+        """Each mount's read path and its measurement (for metrics and `probe`)."""
+        return list(self._mounts.values())
+
+    def _remap_if_grown(self, path: str) -> None:
+        """A pinned file pinned again has grown: map its new length (reads in flight keep
+        the old mapping; ranges past a mapping are read with pread meanwhile)."""
+        old = self._maps.get(path)
+        if old is not None and os.fstat(self._pinned[path]).st_size > old.size:  # type: ignore[attr-defined]
+            self._maps[path] = native.Mapping(self._pinned[path])
+            old.close()  # type: ignore[attr-defined]
 
     def pinned_fd(self, path: str) -> int | None:
         """The descriptor `pin` keeps open for `path` (None: not pinned)."""
@@ -168,6 +239,9 @@ class LocalStore(Store):
             self._pins[path] -= 1
             if self._pins[path] == 0:
                 del self._pins[path]
+                mapping = self._maps.pop(path, None)
+                if mapping is not None:
+                    mapping.close()  # type: ignore[attr-defined]  # unmapped once reads in flight land
                 os.close(self._pinned.pop(path))
 
     def url(self, path: str) -> str:
@@ -198,6 +272,9 @@ class LocalStore(Store):
                     files.append(FileEntry(e.path, e.stat().st_size))
         return sorted(dirs), sorted(files, key=lambda f: f.path)
 
+    def list_names(self, path: str) -> tuple[list[str], list[str]]:
+        return scandir_names(path)
+
     def _pread(self, path: str, offset: int, size: int) -> bytes:
         fd = self._pinned.get(path)
         if fd is not None:
@@ -223,6 +300,11 @@ class LocalStore(Store):
 
     def _native_read(self, path: str, offset: int, size: int) -> "asyncio.Future[bytes]":
         assert self.native is not None
+        mapping = self._maps.get(path)
+        if mapping is not None:
+            self.path_reads["mmap"] += 1
+            return self.native.map_read(mapping, offset, size)
+        self.path_reads["pread"] += 1
         fd = self._pinned.get(path)
         if fd is not None:
             return self.native.pread(fd, offset, size)
@@ -231,12 +313,14 @@ class LocalStore(Store):
     async def _read(self, path: str, offset: int, size: int) -> bytes:
         if self.native is not None:
             return await self._native_read(path, offset, size)
+        self.path_reads["pread"] += 1
         return await self.pool.submit(self._pread, path, offset, size)
 
     async def _read_ranges(self, path: str, ranges: Sequence[Range]) -> list[bytes]:
         if self.native is not None:
             return list(await asyncio.gather(*(self._native_read(path, o, s) for o, s in ranges)))
         if len(ranges) == 1:
+            self.path_reads["pread"] += 1
             return [await self.pool.submit(self._pread, path, *ranges[0])]
         return await super()._read_ranges(path, ranges)
 
@@ -250,7 +334,9 @@ class LocalStore(Store):
             callback(parts, err)
 
         if self.native is not None:
-            self.native.pread_ranges(self._pinned.get(path), path, ranges, counted)
+            mapping = self._maps.get(path)
+            self.path_reads["pread" if mapping is None else "mmap"] += n
+            self.native.pread_ranges(self._pinned.get(path), path, ranges, counted, mapping)
             return True
 
         def landed(f: "asyncio.Future[list[bytes]]") -> None:
@@ -261,6 +347,7 @@ class LocalStore(Store):
             else:
                 counted(f.result(), None)
 
+        self.path_reads["pread"] += n
         self.pool.submit(self._preads, path, ranges).add_done_callback(landed)
         return True
 
@@ -270,6 +357,9 @@ class LocalStore(Store):
         self.pool.close()
         self._files.close()
         with self._pin_lock:
+            for mapping in self._maps.values():
+                mapping.close()  # type: ignore[attr-defined]
+            self._maps.clear()
             for fd in self._pinned.values():
                 os.close(fd)
             self._pinned.clear()

@@ -4,6 +4,11 @@ Each read is one C call to submit and, per wake-up of the loop, one C call drain
 completion; the native threads never take the GIL. Without the compiled extension (an
 install without a C compiler) `available()` is False and the store uses the Python
 pool (iopool.py) instead, or when CROUPIER_READ_POOL=python asks for it.
+
+Two read paths on the same threads: a pread on an open file, or a copy out of a
+read-only mapping of it (`Mapping`, `map_read`), whose page faults the thread takes
+(on FUSE a fault is a synchronous request, outside the mount's cap on background ones;
+readpath.py measures which path a mount wants).
 """
 
 from __future__ import annotations
@@ -14,9 +19,9 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 try:
-    from ._preadpool import Pool as _NativePool
+    from ._preadpool import Mapping, Pool as _NativePool, measure
 except ImportError:  # built without a compiler: the Python pool serves instead
-    _NativePool = None
+    _NativePool = Mapping = measure = None  # type: ignore[assignment,misc]
 
 
 def roots_blob(roots: Sequence[str]) -> bytes:
@@ -68,6 +73,14 @@ class NativeReadPool:
         self._pool.submit(token, fd, offset, size)
         return fut
 
+    def map_read(self, mapping: Any, offset: int, size: int) -> asyncio.Future[bytes]:
+        """`size` bytes at `offset` copied out of `mapping` (a `Mapping`) on a pool thread,
+        which takes the page faults; fewer at the end of the file (also one truncated
+        under the mapping)."""
+        token, fut = self._future()
+        self._pool.submit_map(token, mapping, offset, size)
+        return fut
+
     def pread_path(self, path: str, offset: int, size: int, roots: bytes | None = None) -> asyncio.Future[bytes]:
         """The same on `path`, opened and closed by the native thread (no fd kept). With
         `roots` (NUL-separated resolved folders), the file opened must lie in one of them,
@@ -80,16 +93,24 @@ class NativeReadPool:
         return fut
 
     def pread_ranges(
-        self, fd: int | None, path: str, ranges: Sequence[tuple[int, int]], callback: Callable[[list[bytes] | None, OSError | None], None]
+        self,
+        fd: int | None,
+        path: str,
+        ranges: Sequence[tuple[int, int]],
+        callback: Callable[[list[bytes] | None, OSError | None], None],
+        mapping: Any = None,
     ) -> None:
-        """Read `ranges` of `fd` (or of `path`, opened per range when fd is None), all at
-        once; `callback(parts, None)` when the last lands, or `callback(None, error)` at the
-        first failure, called on the loop. No future per range: the hot path's cheapest."""
+        """Read `ranges` of `mapping` when given (copies on the threads), else of `fd` (or
+        of `path`, opened per range when fd is None), all at once; `callback(parts, None)`
+        when the last lands, or `callback(None, error)` at the first failure, called on the
+        loop. No future per range: the hot path's cheapest."""
         group = _Group(self._watch(), callback, len(ranges))
         for i, (offset, size) in enumerate(ranges):
             self._token += 1
             self._futures[self._token] = (group, i)  # type: ignore[assignment]
-            if fd is not None:
+            if mapping is not None:
+                self._pool.submit_map(self._token, mapping, offset, size)
+            elif fd is not None:
                 self._pool.submit(self._token, fd, offset, size)
             else:
                 self._pool.submit_path(self._token, path, offset, size)

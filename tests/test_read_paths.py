@@ -1,0 +1,201 @@
+"""The two read paths for files, preads and page faults of a mapping, and the choice
+between them per mount by measurement (server/storage/readpath.py).
+
+Real FUSE mounts (bench/latencyfs.py) count the requests each path issues and the
+threads that issued them; skipped, with the reason, where FUSE cannot be mounted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import threading
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pyarrow as pa
+import pytest
+
+from croupier.bench import latencyfs
+from croupier.client import ImageDecoding, Loader, LoaderError, RetryPolicy
+from croupier.server.storage import native, readpath
+from croupier.server.storage.local import LocalStore
+
+from readers_data import write_arrow_file, write_hf_dataset, write_parquet, write_webdataset
+
+_REASON = latencyfs.check_available()
+needs_fuse = pytest.mark.skipif(_REASON is not None, reason=f"latencyfs unusable here: {_REASON}")
+needs_native = pytest.mark.skipif(not native.available(), reason="the native read pool is not built (no C compiler)")
+
+PAGE = 4096
+FILE_BYTES = 4 << 20  # 1,024 pages: room for the probe's 520 and the tests' reads
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("readpaths-src")
+    (root / "data.bin").write_bytes(random.Random(3).randbytes(FILE_BYTES))
+    return root
+
+
+def _read_pages(store: LocalStore, path: str, pages: list[int], size: int = 1000) -> tuple[list[bytes], int]:
+    """Read `size` bytes at 100 into each page, all at once, on a fresh event loop;
+    returns the parts and the loop thread's id."""
+
+    async def go() -> tuple[list[bytes], int]:
+        parts = await asyncio.gather(*(store.read(path, p * PAGE + 100, size) for p in pages))
+        return list(parts), threading.get_native_id()
+
+    return asyncio.run(go())
+
+
+@needs_fuse
+@needs_native
+@pytest.mark.parametrize("max_background", [latencyfs.KERNEL_DEFAULT, None], ids=["kernel-default", "raised"])
+def test_a_mount_that_caps_concurrent_preads_is_read_by_page_faults_and_a_raised_one_by_preads(source: Path, max_background) -> None:
+    # 20 ms fixed: the cap (12 in flight) against 64 asked is a 5x difference in rate,
+    # far from the rule's thresholds whatever else the CPUs are doing.
+    with latencyfs.mounted(source, median_ms=20, distribution="fixed", max_background=max_background) as fs:
+        store = LocalStore(io_threads=256, read_path="auto")
+        try:
+            fs.reset_stats()
+            store.pin(str(fs.path / "data.bin"))
+            [choice] = store.read_paths()
+            peak = fs.stats()["max_in_flight"]
+        finally:
+            store.close()
+    assert choice.mount.point == str(fs.path) and choice.mount.fs_type == "fuse.latencyfs"
+    assert choice.reason == "measured" and choice.probe_concurrency == 64
+    if max_background == latencyfs.KERNEL_DEFAULT:
+        assert choice.capped() and choice.ceilings["pread"] <= 13, choice  # the kernel's 12, not the 64 asked
+        assert choice.path == "mmap" and choice.rates["mmap"] >= 1.25 * choice.rates["pread"], choice
+        assert peak == 64  # the daemon saw the page faults all at once, past the cap
+    else:
+        assert not choice.capped() and choice.path == "pread" and "mmap" not in choice.rates, choice
+        assert peak == 64
+
+
+@needs_native
+def test_a_page_cached_local_file_keeps_preads_and_warns_of_no_cap(source: Path, caplog) -> None:
+    (source / "data.bin").read_bytes()  # in the page cache: the probe's reads are CPU-bound
+    store = LocalStore(io_threads=256, read_path="auto")
+    try:
+        with caplog.at_level("WARNING", logger="croupier.storage"):
+            store.pin(str(source / "data.bin"))
+        [choice] = store.read_paths()
+    finally:
+        store.close()
+    assert choice.reason == "measured" and choice.path == "pread" and not choice.capped(), choice
+    assert not [r for r in caplog.records if "reads at once" in r.getMessage()]
+
+
+@needs_fuse
+@needs_native
+@pytest.mark.parametrize("path", ["pread", "mmap"])
+def test_each_read_path_issues_one_page_request_per_row_counted_by_the_storage_and_the_store(source: Path, path: str) -> None:
+    pages = random.Random(5).sample(range(FILE_BYTES // PAGE), 200)
+    data = (source / "data.bin").read_bytes()
+    with latencyfs.mounted(source, median_ms=1, distribution="fixed") as fs:
+        store = LocalStore(io_threads=64, read_path=path)
+        try:
+            f = str(fs.path / "data.bin")
+            store.pin(f)
+            fs.reset_stats()
+            parts, _ = _read_pages(store, f, pages)
+            stats = fs.stats()
+        finally:
+            store.close()
+    assert parts == [data[p * PAGE + 100 : p * PAGE + 1100] for p in pages]
+    assert store.path_reads == {"pread": 200 if path == "pread" else 0, "mmap": 200 if path == "mmap" else 0}
+    # One 4 KiB request per row on either path: no read-ahead, nothing read twice.
+    assert stats["requests"] == 200 and stats["request_sizes"]["le_4k"] == 200, stats
+    assert store.read_paths()[0].path == path and store.read_paths()[0].reason.startswith("forced")
+
+
+@needs_fuse
+@needs_native
+def test_page_faults_of_a_mapping_are_taken_on_read_threads_never_on_the_event_loop(source: Path) -> None:
+    pages = random.Random(9).sample(range(FILE_BYTES // PAGE), 100)
+    with latencyfs.mounted(source, median_ms=1, distribution="fixed") as fs:
+        store = LocalStore(io_threads=32, read_path="mmap")
+        try:
+            f = str(fs.path / "data.bin")
+            store.pin(f)
+            fs.reset_stats()
+            _, loop_tid = _read_pages(store, f, pages)
+            callers = fs.stats()["caller_tids"]
+            names = {tid: Path(f"/proc/self/task/{tid}/comm").read_text().strip() for tid in callers}
+        finally:
+            store.close()
+    assert store.path_reads["mmap"] == 100
+    assert callers and loop_tid not in callers and threading.get_native_id() not in callers
+    assert set(names.values()) == {"croupier-read"}, names  # the native pool's threads, by name
+
+
+def _text_table(path: Path, rows: int, row_bytes: int = 3000) -> None:
+    table = pa.table({"id": np.arange(rows, dtype=np.int64), "text": ["x" * row_bytes] * rows})
+    with pa.ipc.new_file(path, table.schema) as w:
+        w.write_table(table, max_chunksize=100)
+
+
+@needs_native
+def test_a_file_truncated_under_its_mapping_is_data_loss_naming_the_file_and_the_server_lives(serve_process, tmp_path: Path) -> None:
+    root = tmp_path / "data"
+    (root / "cut").mkdir(parents=True)
+    (root / "kept").mkdir()
+    _text_table(root / "cut" / "t.arrow", 10000)
+    _text_table(root / "kept" / "t.arrow", 200)
+    srv = serve_process(["--data-root", str(root), "--metrics-port", "0"], env={readpath.ENV: "mmap"})
+
+    def loader(name: str) -> Loader:
+        return Loader(name, servers=srv.address, batch_size=50, retry=RetryPolicy(max_retries=0))
+
+    batches = loader("cut").batches()
+    next(batches)  # the dataset is open and its file mapped
+    with open(root / "cut" / "t.arrow", "r+b") as f:
+        f.truncate(64 << 10)  # rows past the first ~20 now lie past the end of the file
+    with pytest.raises(LoaderError) as info:
+        for _ in batches:
+            pass
+    assert info.value.code == grpc.StatusCode.DATA_LOSS, str(info.value)
+    assert "cut/t.arrow" in str(info.value) and "truncated" in str(info.value), str(info.value)
+    assert srv.proc.poll() is None, srv.output()  # no SIGBUS took the server down
+    assert sum(len(b.indices) for b in loader("kept").batches()) == 200
+    import urllib.request
+
+    text = urllib.request.urlopen(f"http://127.0.0.1:{srv.metrics_port}/metrics").read().decode()
+    mapped = [ln for ln in text.splitlines() if ln.startswith('croupier_storage_path_reads_total{path="mmap"}')]
+    assert mapped and float(mapped[0].split()[-1]) > 0, text  # the reads went through the mapping
+    assert 'croupier_storage_read_path{fs_type=' in text and 'path="mmap"' in text
+
+
+FORMATS = {
+    "arrow-file": lambda d: write_arrow_file(d / "t.arrow", 300, batch_rows=16),
+    "arrow-stream": lambda d: write_arrow_file(d / "t.arrows", 300, stream=True, batch_rows=16),
+    "hf": lambda d: write_hf_dataset(d, 300),
+    "parquet": lambda d: write_parquet(d / "t.parquet", 300, row_group_size=32),
+    "webdataset": lambda d: write_webdataset(d, 60, shard_size=16),
+}
+
+
+@needs_native
+@pytest.mark.parametrize("kind", list(FORMATS))
+def test_every_format_delivers_each_sample_exactly_once_per_epoch_on_the_mapped_path(serve_inprocess, tmp_path: Path, monkeypatch, kind: str) -> None:
+    monkeypatch.setenv(readpath.ENV, "mmap")
+    root = tmp_path / "data"
+    (root / kind).mkdir(parents=True)
+    FORMATS[kind](root / kind)
+    srv = serve_inprocess(data_roots=[str(root)])
+    n = 60 if kind == "webdataset" else 300
+    for epoch in range(2):
+        seen: list[int] = []
+        for rank in range(2):
+            loader = Loader(kind, servers=srv.address, batch_size=8, rank=rank, world_size=2, seed=1,
+                            decoding=ImageDecoding(output="none"), retry=RetryPolicy(max_retries=0))
+            loader.set_epoch(epoch)
+            seen.extend(int(i) for b in loader.batches() for i in b.indices)
+        assert sorted(seen) == list(range(n)), (kind, epoch)
+    [reader] = [r for r in srv.running.catalog.readers()]
+    assert reader.store.path_reads["mmap"] > 0 and reader.store.path_reads["pread"] == 0, reader.store.path_reads
