@@ -1,4 +1,4 @@
-"""The `croupier` command: serve, rewrite, demo, loadtest, probe (and bench, with the harness installed)."""
+"""The `croupier` command: serve, rewrite, demo, loadtest, health (and bench, with the harness installed)."""
 
 from __future__ import annotations
 

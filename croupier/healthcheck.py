@@ -1,4 +1,4 @@
-"""`croupier probe [ADDRESS] [SERVICE]` (or `python -m croupier.healthcheck`): exit 0 when the
+"""`croupier health [ADDRESS] [SERVICE]` (or `python -m croupier.healthcheck`): exit 0 when the
 server says SERVING, 1 otherwise.
 
 The container HEALTHCHECK. It connects as any client would (croupier/protocol/security.py), so a
@@ -40,8 +40,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    """`croupier probe`: the container HEALTHCHECK as a command, for scripts and people."""
-    p = sub.add_parser("probe", help="ask a server's grpc.health.v1 whether it is SERVING (exit 0) or not (1)",
+    """`croupier health`: the container HEALTHCHECK as a command, for scripts and people."""
+    p = sub.add_parser("health", help="ask a server's grpc.health.v1 whether it is SERVING (exit 0) or not (1)",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("address", nargs="?", help="HOST:PORT (default 127.0.0.1:$CROUPIER_PORT, else 50051)")
     p.add_argument("service", nargs="?", default="croupier.v1.Croupier",
