@@ -3,15 +3,17 @@ how long to wait before one."""
 
 from __future__ import annotations
 
+import ipaddress
 import random
-from collections.abc import AsyncIterator, Sequence
+import socket
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import grpc
 
 from croupier.protocol.options import StreamOptions
-from croupier.protocol.security import ClientSecurity, check_address
+from croupier.protocol.security import AddressError, ClientSecurity, check_address
 from croupier.v1 import croupier_pb2 as pb
 from croupier.v1 import croupier_pb2_grpc as pb_grpc
 
@@ -136,6 +138,98 @@ def transport_hint(security: ClientSecurity, details: str) -> str:
         return " (TLS handshake failed: the server may be plaintext, or its certificate not signed by tls_ca, " \
                "or it requires a client certificate)"
     return ""
+
+
+#: (host, port) -> every "HOST:PORT" the name stands for; raises OSError when it has none.
+Resolver = Callable[[str, int], Sequence[str]]
+
+
+def resolve_host(host: str, port: int) -> list[str]:
+    """Every address of `host` (its A and AAAA records, by getaddrinfo) as HOST:PORT
+    ([V6]:PORT), IPv4 first, in numeric order."""
+    ips = {info[4][0] for info in socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)}
+    return sorted((f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}" for ip in ips), key=address_order)
+
+
+def address_order(address: str) -> tuple[int, Any, str]:
+    """Sort key of HOST:PORT: IPv4 before IPv6, numerically, then names. Every rank sorts a
+    name's addresses alike, so rank r lands on the same replica whichever process resolved it
+    and in whatever order the DNS server answered."""
+    host = address.rpartition(":")[0].strip("[]").split("%", 1)[0]
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        return (7, 0, address)
+    return (ip.version, int(ip), address)
+
+
+def dns_name(target: str) -> tuple[str, int] | None:
+    """(host, port) of a `dns:///HOST:PORT` or `dns:HOST:PORT` target (gRPC's spelling), None
+    for any other address. A DNS server named in the authority (dns://8.8.8.8/h:p) is
+    refused: names are resolved by this host's resolver (getaddrinfo)."""
+    if not target.startswith("dns:"):
+        return None
+    rest = target[len("dns:"):]
+    if rest.startswith("//"):
+        authority, _, rest = rest[2:].partition("/")
+        if authority:
+            raise AddressError(f"server address {target!r}: a DNS server in the authority ({authority}) is not "
+                               "supported; write dns:///HOST:PORT (resolved by this host's resolver)")
+    host, _, port = rest.rpartition(":")
+    if not host or not port.isdigit():
+        raise AddressError(f"server address {target!r}: write dns:///HOST:PORT, e.g. dns:///croupier.ns.svc:50051")
+    return host.strip("[]"), int(port)
+
+
+class Servers:
+    """The replicas a Loader streams from: HOST:PORT addresses as given, and each
+    `dns:///NAME:PORT` expanded to every address the name resolves to (the pods behind a
+    headless Service). `refresh()` resolves again; the Loader calls it at each epoch's
+    start and before each reconnect, so replicas that left the name are dropped and
+    replicas that joined take ranks. A name that does not resolve keeps its last
+    addresses (a DNS blip must not stop training); with none, refresh raises OSError."""
+
+    def __init__(self, servers: str | Sequence[str], resolve: Resolver = resolve_host):
+        self.targets = [servers] if isinstance(servers, str) else list(servers)
+        if not self.targets:
+            raise ValueError("Loader needs at least one server address")
+        for target in self.targets:
+            check_address(target)
+            dns_name(target)  # a malformed dns: target is refused now, not at the first epoch
+        self._resolve = resolve
+        self._last: dict[str, list[str]] = {}
+        #: Address -> the DNS name it came from (TLS checks the certificate against the name).
+        self.names: dict[str, str] = {}
+        self.addresses: list[str] = [t for t in self.targets if dns_name(t) is None]
+
+    def refresh(self) -> list[str]:
+        """Resolve every name again; the addresses, in the order ranks are spread over."""
+        addresses: list[str] = []
+        for target in self.targets:
+            name = dns_name(target)
+            if name is None:
+                addresses.append(target)
+                continue
+            try:
+                self._last[target] = sorted(self._resolve(*name), key=address_order) or self._last.get(target, [])
+            except OSError:
+                if not self._last.get(target):
+                    raise
+            for address in self._last[target]:
+                self.names[address] = name[0]
+            addresses += self._last[target]
+        if not addresses:
+            raise OSError(f"{', '.join(self.targets)} resolved to no address")
+        self.addresses = list(dict.fromkeys(addresses))  # one replica behind two names counts once
+        return self.addresses
+
+    def channel_options(self, address: str, security: ClientSecurity) -> list[tuple[str, Any]]:
+        """Over TLS to an address found by name, the certificate is checked against the name
+        (the pod's IP is not in it), unless the caller named the server already."""
+        name = self.names.get(address)
+        if name is None or not security.tls or security.server_name:
+            return []
+        return [("grpc.ssl_target_name_override", name)]
 
 
 class Connection:

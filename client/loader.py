@@ -28,11 +28,11 @@ import numpy as np
 
 from croupier.protocol.epoch_plan import EpochPlan, PlanError
 from croupier.protocol.options import StreamOptions
-from croupier.protocol.security import ClientSecurity, check_address
+from croupier.protocol.security import ClientSecurity
 
 from croupier.client.assemble import BatchAssembler, ProtocolError, RawBatch
-from croupier.client.connection import (FINAL_LIMITS, RETRYABLE, Connection, RetryPolicy, limit_of, size_limit_advice,
-                                        transport_hint)
+from croupier.client.connection import (FINAL_LIMITS, RETRYABLE, Connection, Resolver, RetryPolicy, Servers, limit_of,
+                                        resolve_host, size_limit_advice, transport_hint)
 from croupier.client.decode_tuner import DecodeTuner
 from croupier.client.resume import Cursor, Shape, resume_cursor, state_of
 from croupier.client.samples import BatchFormat, ImageDecoding, collate_table, numpy_collate, raw_batch_samples
@@ -73,6 +73,8 @@ class LoaderStats:
     wait_s: float = 0.0
     first_batch_s: float | None = None
     errors: list[str] = field(default_factory=list)
+    #: The address each stream was opened on, in order (a dns:/// name shows its replicas).
+    streams: list[str] = field(default_factory=list)
 
 
 async def _make_semaphore(value: int) -> asyncio.Semaphore:
@@ -126,7 +128,10 @@ class Loader:
     Args:
         dataset: the server's name for the dataset (or a path under its data root).
         servers: "host:port", or several replicas serving the same data; rank r starts
-            on servers[r % len] and fails over to the next on errors.
+            on servers[r % len] and fails over to the next on errors. "dns:///NAME:PORT"
+            stands for every address NAME resolves to (A and AAAA records: the pods of a
+            headless Service), resolved again at each epoch's start and before each
+            reconnect, so the ranks spread over the replicas there are then.
         batch_size: samples per rank per batch.
         rank, world_size: default to torch.distributed's when initialised, else 0 and 1.
         seed, epoch: the plan is a pure function of (seed, epoch, dataset size).
@@ -154,6 +159,8 @@ class Loader:
             which fills what it is not given from CROUPIER_TLS_CA, CROUPIER_CLIENT_CERT,
             CROUPIER_CLIENT_KEY, CROUPIER_TOKEN, CROUPIER_TLS). Default: from the
             environment alone. A token goes in clear text only to loopback addresses.
+        resolve: (host, port) -> the "HOST:PORT" addresses of a dns:/// name (default:
+            getaddrinfo, `client.connection.resolve_host`).
         channel_options: extra gRPC channel arguments, e.g. `[("grpc.http2.bdp_probe", 0)]`
             to keep each stream's flow-control window at 64 KiB; they replace croupier's
             own of the same name (client/connection.py CHANNEL_OPTIONS).
@@ -184,19 +191,16 @@ class Loader:
         retry: RetryPolicy = RetryPolicy(),
         security: ClientSecurity | None = None,
         channel_options: Sequence[tuple[str, Any]] = (),
+        resolve: Resolver = resolve_host,
     ) -> None:
         if rank is None or world_size is None:
             d_rank, d_world = _distributed_default()
             rank = d_rank if rank is None else rank
             world_size = d_world if world_size is None else world_size
-        self.servers = [servers] if isinstance(servers, str) else list(servers)
-        if not self.servers:
-            raise ValueError("Loader needs at least one server address")
-        for address in self.servers:
-            check_address(address)
+        self.servers = Servers(servers, resolve)
         self.channel_options = list(channel_options)
         self.security = security if security is not None else ClientSecurity.resolve()
-        for address in self.servers:
+        for address in self.servers.targets:
             self.security.metadata(address)  # refuses a token bound for clear text, now, not mid-epoch
         if batch_size < 1:
             raise ValueError(f"batch_size must be at least 1, got {batch_size}")
@@ -311,9 +315,13 @@ class Loader:
 
         async def rows() -> int:
             errors = []
-            for k in range(len(self.servers)):  # starting with this rank's own replica
-                address = self.servers[(self.rank + k) % len(self.servers)]
-                conn = Connection(address, self.security, self.channel_options)
+            try:
+                addresses = await asyncio.to_thread(self.servers.refresh)
+            except OSError as exc:
+                raise LoaderError(f"{', '.join(self.servers.targets)}: {exc}", grpc.StatusCode.UNAVAILABLE) from None
+            for k in range(len(addresses)):  # starting with this rank's own replica
+                address = addresses[(self.rank + k) % len(addresses)]
+                conn = self._connect(address)
                 try:
                     return (await conn.describe(self.options.dataset)).num_rows
                 except grpc.aio.AioRpcError as exc:
@@ -356,12 +364,21 @@ class Loader:
         """RawBatches of the cursor's epoch from its next batch, reconnecting as needed."""
         opts = self.options.with_(seed=cursor.seed, epoch=cursor.epoch, plan_start=cursor.start)
         next_batch, ahead = cursor.next_batch, set(cursor.ahead)
-        server_i = opts.rank % len(self.servers)
-        failures = 0
+        failures, attempt = 0, 0  # the rank's k-th stream goes to addresses[(rank + k) % n]
+        addresses: list[str] = []
         num_batches: int | None = None
         while num_batches is None or next_batch < num_batches:
-            address = self.servers[server_i]
-            conn = Connection(address, self.security, self.channel_options)
+            if not addresses:  # at the epoch's start and after each failure: the names resolved again
+                try:
+                    addresses = await asyncio.to_thread(self.servers.refresh)
+                except OSError as exc:
+                    failures += 1
+                    await asyncio.sleep(self._retry_delay(f"{', '.join(self.servers.targets)}: {exc}",
+                                                          grpc.StatusCode.UNAVAILABLE, None, failures))
+                    continue
+            address = addresses[(opts.rank + attempt) % len(addresses)]
+            conn = self._connect(address)
+            self.stats.streams.append(address)
             pending: dict[int, RawBatch] = {}
             try:
                 call = conn.stream(opts.with_(start_batch=next_batch))
@@ -407,21 +424,30 @@ class Loader:
                 if code not in RETRYABLE or limit in FINAL_LIMITS:
                     raise LoaderError(f"{address}: {code.name}: {exc.details()}", code) from None
                 failures += 1
+                attempt += 1  # the next replica, in the order the names resolve to then
+                addresses = []
                 error = f"{address}: {code.name}: {exc.details()}{transport_hint(self.security, exc.details() or '')}"
-                self.stats.errors.append(error)
-                if failures > self.retry.max_retries:
-                    raise LoaderError(f"gave up after {self.retry.max_retries} retries; last error from {error}",
-                                      code) from None
-                self.stats.reconnects += 1
-                server_i = (server_i + 1) % len(self.servers)
-                delay = self.retry.delay(failures, limit)
-                # Said at once, each time: a trainer pointed at the wrong address learns it
-                # in seconds, not when the retries run out.
-                log.warning("%s; retry %d of %d in %.1fs (on %s)", error, failures, self.retry.max_retries, delay,
-                            self.servers[server_i])
-                await asyncio.sleep(delay)
+                await asyncio.sleep(self._retry_delay(error, code, limit, failures))
             finally:
                 await conn.close()
+
+    def _connect(self, address: str) -> Connection:
+        return Connection(address, self.security,
+                          self.servers.channel_options(address, self.security) + self.channel_options)
+
+    def _retry_delay(self, error: str, code: grpc.StatusCode, limit: str | None, failures: int) -> float:
+        """Seconds to wait before the retry after the `failures`-th failure in a row, or a
+        LoaderError when the retries are spent."""
+        self.stats.errors.append(error)
+        if failures > self.retry.max_retries:
+            raise LoaderError(f"gave up after {self.retry.max_retries} retries; last error from {error}",
+                              code) from None
+        self.stats.reconnects += 1
+        delay = self.retry.delay(failures, limit)
+        # Said at once, each time: a trainer pointed at the wrong address learns it
+        # in seconds, not when the retries run out.
+        log.warning("%s; retry %d of %d in %.1fs", error, failures, self.retry.max_retries, delay)
+        return delay
 
     def _check_header(self, address: str, header: Any, opts: StreamOptions, resumed: bool) -> None:
         """Refuse a stream that would not follow the plan this Loader resumes in."""
