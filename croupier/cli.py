@@ -1,4 +1,4 @@
-"""The `croupier` command: serve, rewrite, demo, loadtest, health (and bench, with the harness installed)."""
+"""The `croupier` command: serve, rewrite, demo, loadtest, health, probe (and bench, with the harness installed)."""
 
 from __future__ import annotations
 
@@ -165,6 +165,7 @@ _EXTRA_COMMANDS: list[tuple[str, str]] = [
     ("croupier.bench", "add_parser"),
     ("croupier.loadtest", "add_parser"),
     ("croupier.healthcheck", "add_parser"),
+    ("croupier.probe", "add_parser"),
 ]
 
 

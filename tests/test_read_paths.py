@@ -87,7 +87,9 @@ def test_a_page_cached_local_file_keeps_preads_and_warns_of_no_cap(source: Path,
         [choice] = store.read_paths()
     finally:
         store.close()
-    assert choice.reason == "measured" and choice.path == "pread" and not choice.capped(), choice
+    assert choice.path == "pread" and not choice.capped(), choice
+    # a local block or memory file system is not probed (a busy CPU could pass for a cap)
+    assert choice.reason.startswith("a local file system") == choice.mount.is_local, choice
     assert not [r for r in caplog.records if "reads at once" in r.getMessage()]
 
 

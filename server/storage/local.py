@@ -206,6 +206,9 @@ class LocalStore(Store):
             choice = readpath.Choice(mount, "pread", "the Python read pool has preads only", asked=self.io_threads)
         elif self.read_path != "auto":
             choice = readpath.Choice(mount, self.read_path, f"forced ({readpath.ENV} or read_path)", asked=self.io_threads)
+        elif mount.is_local:
+            choice = readpath.Choice(mount, "pread", f"a local file system ({mount.fs_type}): no request cap",
+                                     asked=self.io_threads)
         else:
             measured = readpath.probe(fd, st.st_size, mount, self.io_threads)
             if measured is None:  # too small to measure: preads, and the next file tries again

@@ -12,7 +12,8 @@ kernel-default mount, preads 2,104 reads/s (12 in flight at the daemon), page fa
 The rule (Little's law): time a few reads one at a time (latency L0), then 4*C reads C
 at a time with preads (rate R). R*L0 is the concurrency the mount really gives preads.
 If it is at least half of C, preads stay (no cap worth avoiding); so they do when the
-probe kept half a core busy (page-cached local files: CPU-bound, nothing capped). Otherwise page faults
+probe kept half a core busy (CPU-bound, nothing capped), and on a local block or memory
+file system (ext4, xfs, tmpfs, overlay, ...), which is not probed at all. Otherwise page faults
 are timed the same way on other pages, and the mapping is used when it completes at
 least 25% more reads per second; a mount that caps both keeps preads. The probe reads
 pages of the first file pinned on the mount (about 0.1 s on a capped 5 ms mount, a few
@@ -51,6 +52,13 @@ _CPU_BOUND_CORES = 0.5
 _MAP_MARGIN = 1.25
 
 
+#: Block and memory file systems: a pread is served by the kernel itself, with no
+#: per-mount request cap to get around, so these keep preads without a probe (a probe on
+#: a busy machine could read CPU contention as a cap).
+LOCAL_FILE_SYSTEMS = frozenset({"ext2", "ext3", "ext4", "xfs", "btrfs", "zfs", "f2fs", "tmpfs", "ramfs",
+                                "overlay", "squashfs", "vfat", "exfat", "ntfs3", "jfs", "reiserfs"})
+
+
 def resolve(read_path: str | None) -> str:
     """`read_path`, else $CROUPIER_READ_PATH, else "auto"; a ValueError naming the bad value."""
     value = (read_path if read_path is not None else os.environ.get(ENV, "auto")).strip().lower()
@@ -72,6 +80,11 @@ class Mount:
     @property
     def is_fuse(self) -> bool:
         return self.fs_type == "fuse" or self.fs_type.startswith(("fuse.", "fuseblk"))
+
+    @property
+    def is_local(self) -> bool:
+        """A block or memory file system (LOCAL_FILE_SYSTEMS): nothing to probe."""
+        return self.fs_type in LOCAL_FILE_SYSTEMS
 
     def fuse_connection(self) -> str:
         """/sys/fs/fuse/connections/<N> of this mount (N: the kernel's device number)."""
@@ -172,18 +185,33 @@ def probe(fd: int, file_size: int, mount: Mount, asked: int, concurrency: int = 
         _time(choice, "mmap", fd, mapping, map_set, c)
     finally:
         mapping.close()
-    if choice.rates["mmap"] >= _MAP_MARGIN * choice.rates["pread"]:
-        choice.path = "mmap"
+    choice.path = decide(choice)
     return choice
 
 
-def _time(choice: Choice, path: str, fd: int, mapping, offsets: list[int], c: int) -> None:
-    """Reads/s in the steady state: those done by the time the last one started, over
-    that time (the slowest few reads' tail left out)."""
+def decide(choice: Choice) -> str:
+    """The rule, on a Choice whose preads (and, when capped, page faults) were timed at
+    `probe_concurrency`: preads unless they are capped and the mapping beats them by
+    `_MAP_MARGIN` (`croupier probe` applies it to its own measurements)."""
+    if not choice.capped() or "mmap" not in choice.rates:
+        return "pread"
+    return "mmap" if choice.rates["mmap"] >= _MAP_MARGIN * choice.rates["pread"] else "pread"
+
+
+def timed_rate(fd: int, mapping, offsets: list[int], size: int, c: int) -> tuple[float, float]:
+    """Reads/s of `size` bytes at `offsets` (preads, or page faults of `mapping`), `c` at a
+    time on native threads, in the steady state: those done by the time the last one
+    started, over that time (the slowest few reads' tail left out); and the process's CPU
+    seconds per second meanwhile."""
     cpu0 = time.process_time()
-    secs, _, _, dry_secs, dry_done = native.measure(fd, mapping, offsets, _READ_BYTES, c)
-    choice.cpu_cores[path] = (time.process_time() - cpu0) / max(secs, 1e-9)
+    secs, _, _, dry_secs, dry_done = native.measure(fd, mapping, offsets, size, c)
+    cores = (time.process_time() - cpu0) / max(secs, 1e-9)
     rate = dry_done / dry_secs if dry_done >= c and dry_secs > 0 else len(offsets) / max(secs, 1e-9)
+    return rate, cores
+
+
+def _time(choice: Choice, path: str, fd: int, mapping, offsets: list[int], c: int) -> None:
+    rate, choice.cpu_cores[path] = timed_rate(fd, mapping, offsets, _READ_BYTES, c)
     choice.rates[path] = rate
     choice.ceilings[path] = min(float(c), rate * choice.latency_s)
 

@@ -1,0 +1,138 @@
+"""`croupier probe`: it finds a FUSE mount's cap and names the option that lifts it, picks the
+read path the server would, reads no more than it says (counted by the storage itself), writes
+nothing, and measures GETs of an object store through the server's ObjectStore.
+
+The FUSE cases use latencyfs at 20 ms (sigma 0.25): slow enough that the machine's CPU
+does not blur a cap of 12 against 64 reads asked for.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+from s3_fixtures import CREDENTIALS, S3Backend
+
+from croupier import cli
+from croupier.bench import latencyfs
+from croupier.bench.s3server import Latency, running
+from croupier.server.storage import native
+
+_REASON = latencyfs.check_available()
+needs_fuse = pytest.mark.skipif(_REASON is not None, reason=f"latencyfs unusable here: {_REASON}")
+needs_native = pytest.mark.skipif(native.measure is None, reason="croupier's native read pool is not built")
+
+FILE_BYTES = 24 << 20
+
+
+def _probe(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, dict | None, str]:
+    rc = cli.main(["probe", *args, "--json"])
+    out, err = capsys.readouterr()
+    return rc, (json.loads(out) if rc == 0 else None), err
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    src = tmp_path_factory.mktemp("probe-src")
+    (src / "data-00000.arrow").write_bytes(os.urandom(FILE_BYTES))
+    (src / "data-00001.arrow").write_bytes(os.urandom(FILE_BYTES // 4))
+    return src
+
+
+def _snapshot(folder: Path) -> dict[str, tuple[int, int]]:
+    return {str(p): (p.stat().st_mtime_ns, p.stat().st_size) for p in sorted(folder.rglob("*"))}
+
+
+def _mounted_probe(source: Path, capsys, max_background: int | None, *args: str) -> tuple[dict, dict]:
+    before = _snapshot(source)
+    with latencyfs.mounted(source, median_ms=20, sigma=0.25, max_background=max_background) as fs:
+        fs.reset_stats()
+        rc, report, err = _probe(capsys, str(fs.path), "--max-concurrency", "128", *args)
+        stats = fs.stats()
+        assert rc == 0, err
+    assert _snapshot(source) == before, "the probe changed the files it read"
+    return report, stats
+
+
+@needs_fuse
+@needs_native
+def test_kernel_default_cap_is_found_and_the_mapping_chosen(source: Path, capsys) -> None:
+    report, stats = _mounted_probe(source, capsys, latencyfs.KERNEL_DEFAULT)
+    pread, mmap = report["paths"]["pread"], report["paths"]["mmap"]
+    assert 6 <= pread["ceiling_in_flight"] <= 16, pread  # the kernel's max_background of 12
+    assert pread["knee_concurrency"] <= 32 and pread["stopped"].startswith("flat"), pread
+    assert report["chosen"] == "mmap", report["reason"]
+    assert any("max_background" in r for r in report["remedies"]), report["remedies"]
+    assert mmap["ceiling_in_flight"] > 2 * pread["ceiling_in_flight"], (mmap, pread)
+    # what it says it read is what reached the storage, one 4 KiB page a read
+    assert stats["bytes"] == report["bytes_read"] <= report["max_bytes"]
+    assert stats["requests"] == pread["reads"] + mmap["reads"]
+    assert stats["max_request_bytes"] <= 4096
+
+
+@needs_fuse
+@needs_native
+def test_raised_mount_keeps_preads(source: Path, capsys) -> None:
+    report, stats = _mounted_probe(source, capsys, None)
+    pread = report["paths"]["pread"]
+    assert report["chosen"] == "pread", report["reason"]
+    assert pread["ceiling_in_flight"] > 32, pread
+    assert not any("max_background" in r for r in report["remedies"]), report["remedies"]
+    assert stats["bytes"] == report["bytes_read"] <= report["max_bytes"]
+
+
+@needs_fuse
+@needs_native
+def test_reads_stay_under_the_byte_bound(source: Path, capsys) -> None:
+    bound = 1 << 20
+    report, stats = _mounted_probe(source, capsys, None, "--max-bytes", "1MiB")
+    assert report["max_bytes"] == bound
+    assert stats["bytes"] == report["bytes_read"] <= bound
+    assert any("--max-bytes" in p["stopped"] for p in report["paths"].values()), report["paths"]
+
+
+def test_object_store_gets_scale_and_are_counted(capsys) -> None:
+    row = 1024
+    with running(None, latency=Latency.fixed(10), process=True) as srv:
+        s3 = S3Backend("s3server", srv.endpoint, srv)
+        bucket = s3.make_bucket({f"ds/part-{i}.arrow": os.urandom(256 << 10) for i in range(3)}
+                                | {"other/x.bin": os.urandom(4096)})
+        srv.reset_stats()
+        options = [f"--storage-option={k}={v}" for k, v in {**CREDENTIALS, "endpoint": srv.endpoint}.items()]
+        rc, report, err = _probe(capsys, f"s3://{bucket}/ds", "--max-concurrency", "64", *options)
+        stats = srv.stats()
+    assert rc == 0, err
+    get = report["paths"]["get"]
+    assert report["chosen"] == "get" and report["objects"] == 3
+    # one listing (an S3 GET of the bucket) and one GET of `row` bytes a read, nothing else
+    assert stats["by_method"] == {"GET": get["reads"] + 1} and stats["requests"] == get["reads"] + 1
+    assert report["bytes_read"] == get["reads"] * row <= report["max_bytes"]
+    assert get["reads"] * row < stats["bytes"] < get["reads"] * row + 64 * 1024
+    sweep = {s["concurrency"]: s["reads_per_s"] for s in get["sweep"]}
+    assert get["knee_concurrency"] >= 16 and sweep[16] > 4 * sweep[1], get  # GETs scale with concurrency
+    assert stats["max_in_flight"] >= 16
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda tmp: str(tmp / "missing"), "no such file or folder"),
+    (lambda tmp: str(tmp), "not a dataset's files: no files"),
+    (lambda tmp: (tmp / ".hidden").write_bytes(b"x" * 8192) and str(tmp), "not a dataset's files: no files"),
+    (lambda tmp: (tmp / "tiny").write_bytes(b"x" * 10) and str(tmp), "none with 1088 bytes or more"),
+    (lambda tmp: "s3:///prefix", "no bucket"),
+    (lambda tmp: "ftp://host/x", "unsupported storage scheme"),
+])
+def test_bad_targets_are_named_with_exit_code_2(tmp_path: Path, capsys, make, message: str) -> None:
+    target = make(tmp_path)
+    rc, _, err = _probe(capsys, target)
+    assert rc == 2
+    assert target in err and message in err, err
+
+
+def test_missing_bucket_is_named(capsys) -> None:
+    with running(None) as srv:
+        options = [f"--storage-option={k}={v}" for k, v in {**CREDENTIALS, "endpoint": srv.endpoint}.items()]
+        rc, _, err = _probe(capsys, "s3://no-such-bucket/ds", *options)
+    assert rc == 2
+    assert "s3://no-such-bucket" in err and "does not exist" in err, err
