@@ -202,17 +202,30 @@ def test_the_native_pool_holds_that_many_slow_preads_at_once(tmp_path: Path) -> 
 
 def test_the_native_pool_queues_past_its_threads_reuses_idle_ones_and_lets_them_go_on_close(tmp_path: Path) -> None:
     """More reads than threads wait in the queue and all land, right; threads asleep take
-    the next reads instead of new threads starting; close() ends every thread."""
+    the next reads instead of new threads starting; close() ends every thread.
+
+    Each read takes a fixed 2 ms in the latency file system, so the 500 reads are all
+    queued before the first lands and the pool reaches its 4 threads however busy the
+    machine is (page-cache reads could finish between two submissions and leave it at 2)."""
+    import contextlib
     import time
 
+    from croupier.bench.latencyfs import check_available, mounted
     from croupier.server.storage import native
 
     if not native.available():
         pytest.skip("the native read pool is not built (no C compiler at install time)")
+    reason = check_available()
+    if reason:
+        pytest.skip(f"latency file system unavailable: {reason}")
     data = np.random.default_rng(0).integers(0, 256, 1 << 16, dtype=np.uint8).tobytes()
-    path = tmp_path / "blob.bin"
-    path.write_bytes(data)
-    fd = os.open(path, os.O_RDONLY)
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "blob.bin").write_bytes(data)
+    stack = contextlib.ExitStack()
+    fs = stack.enter_context(mounted(src, median_ms=2, distribution="fixed"))
+    fd = os.open(fs.path / "blob.bin", os.O_RDONLY)
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)  # no read-ahead: every read reaches the daemon
     pool = native.NativeReadPool(4)
     offsets = [(i * 97) % (len(data) - 100) for i in range(500)]
 
@@ -227,6 +240,7 @@ def test_the_native_pool_queues_past_its_threads_reuses_idle_ones_and_lets_them_
     finally:
         pool.close()
         os.close(fd)
+        stack.close()
     for _ in range(500):  # bounded: 5 s
         if pool.threads == 0:
             break
