@@ -6,8 +6,9 @@ import json
 import os
 import random
 import subprocess
-import sys
 from pathlib import Path
+
+from framework_runs import torchrun
 
 REPO = Path(__file__).resolve().parent.parent
 EXAMPLE = REPO / "examples" / "train_rtp_dcp.py"
@@ -27,9 +28,7 @@ def make_tokens(folder: Path, rows: int, seed: int = 0) -> Path:
 
 def run_example(world: int, server: str, ckpt: Path, *args: str, timeout: float = 240) -> subprocess.CompletedProcess:
     """One `torchrun --standalone --nnodes=1 --nproc-per-node=world --max-restarts 0` launch of the example."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes=1", f"--nproc-per-node={world}",
-           "--max-restarts", "0", str(EXAMPLE), "--servers", server, "--checkpoint-dir", str(ckpt), *MODEL_ARGS,
-           *args]
+    cmd = torchrun(EXAMPLE.name, "--servers", server, "--checkpoint-dir", str(ckpt), *MODEL_ARGS, *args, world=world)
     return subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
                           timeout=timeout)
 

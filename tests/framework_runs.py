@@ -29,10 +29,11 @@ def run(cmd: list[str], timeout: float = 240) -> subprocess.CompletedProcess:
     return proc
 
 
-def torchrun(script: str, *args: str) -> list[str]:
-    """The command line of a 2-rank `torchrun --standalone` launch of an example."""
+def torchrun(script: str, *args: str, world: int = WORLD) -> list[str]:
+    """The command line of a `torchrun --standalone` launch of an example on `world` ranks
+    (no restarts: a lost rank ends the job, as the elastic test needs)."""
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes=1",
-            f"--nproc-per-node={WORLD}", "--max-restarts", "0", str(EXAMPLES / script), *args]
+            f"--nproc-per-node={world}", "--max-restarts", "0", str(EXAMPLES / script), *args]
 
 
 def trained(log_dir: Path) -> list[list[tuple[int, list[int]]]]:
