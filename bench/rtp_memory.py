@@ -1,6 +1,10 @@
 """Peak memory per rank and step time of RTP vs DDP vs FSDP2, on CPU with gloo, in one run.
 
     python -m croupier.bench.rtp_memory --out bench/results/rtp_memory.md
+    python -m croupier.bench.rtp_memory --device cuda --ranks 1 --out bench/results/rtp_nccl.md
+
+With `--device cuda` the ranks use NCCL, rank r on cuda:r (`--share-gpu`: all on cuda:0),
+and the peak is the GPU memory allocated instead of RSS.
 
 For each world size N and each engine, N fresh processes (one per rank, env:// on a
 loopback port, as torchrun would) build the same GPT-2-small-shaped model, wrap it
@@ -43,7 +47,7 @@ from .driver import drive
 from .reporting import header_lines
 
 ENGINES = ("ddp", "fsdp2", "rtp")
-SETTINGS = ("steps", "warmup", "seq", "micro_batch", "layers")
+SETTINGS = ("steps", "warmup", "seq", "micro_batch", "layers", "device", "share_gpu")
 
 
 class Block(nn.Module):
@@ -96,14 +100,14 @@ def _trim() -> None:
         pass
 
 
-def _wrap(engine: str, model: nn.Module, world: int) -> nn.Module:
+def _wrap(engine: str, model: nn.Module, world: int, device: torch.device) -> nn.Module:
     if engine == "ddp":
         from torch.nn.parallel import DistributedDataParallel
-        return DistributedDataParallel(model)
+        return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
     if engine == "fsdp2":
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
-        mesh = init_device_mesh("cpu", (world,))
+        mesh = init_device_mesh(device.type, (world,))
         for block in model.blocks:
             fully_shard(block, mesh=mesh)
         fully_shard(model, mesh=mesh)
@@ -115,24 +119,33 @@ def _wrap(engine: str, model: nn.Module, world: int) -> nn.Module:
 def worker(args: argparse.Namespace) -> None:
     from croupier.client.rtp import state_bytes
 
-    dist.init_process_group("gloo")
+    cuda = args.device == "cuda"
+    device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if cuda else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     base_kib = _status_kib("VmRSS")
     torch.manual_seed(0)
-    model = GPT2(layers=args.layers)
+    model = GPT2(layers=args.layers).to(device)
     n_params = sum(p.numel() for p in model.parameters())
-    wrapped = _wrap(args.engine, model, world)
+    wrapped = _wrap(args.engine, model, world, device)
     opt = torch.optim.AdamW(wrapped.parameters(), lr=1e-4)
     _trim()
     wrapped_kib = _status_kib("VmRSS")
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # resets VmHWM to the current RSS
+    if cuda:
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
     g = torch.Generator().manual_seed(1000 + rank)
     times, state = [], None
     for step in range(args.warmup + args.steps):
-        tokens = torch.randint(0, 50257, (args.micro_batch, args.seq + 1), generator=g)
+        tokens = torch.randint(0, 50257, (args.micro_batch, args.seq + 1), generator=g).to(device)
         dist.barrier()
+        if cuda:
+            torch.cuda.synchronize(device)
         t0 = time.perf_counter()
         logits = wrapped(tokens[:, :-1])
         loss = F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
@@ -142,14 +155,19 @@ def worker(args: argparse.Namespace) -> None:
         if step == args.warmup + args.steps - 1:
             state = state_bytes(model, opt)
         opt.zero_grad(set_to_none=True)
+        if cuda:
+            torch.cuda.synchronize(device)
         dist.barrier()
         if step >= args.warmup:
             times.append(time.perf_counter() - t0)
     ring = wrapped.ring_buffer_bound() if args.engine == "rtp" else 0
-    mine = {"rank": rank, "base_mib": base_kib / 1024, "after_wrap_mib": wrapped_kib / 1024,
-            "peak_mib": _status_kib("VmHWM") / 1024, "state_mib": state.model_state / 2**20,
+    # On a GPU the peak is the caching allocator's high-water mark of allocated bytes (no
+    # model existed before, so the bare process holds none).
+    peak = torch.cuda.max_memory_allocated(device) / 2**20 if cuda else _status_kib("VmHWM") / 1024
+    mine = {"rank": rank, "base_mib": 0.0 if cuda else base_kib / 1024, "after_wrap_mib": wrapped_kib / 1024,
+            "peak_mib": peak, "state_mib": state.model_state / 2**20,
             "ring_mib": ring / 2**20, "step_s": statistics.median(times), "loss": loss.item(),
-            "n_params": n_params}
+            "n_params": n_params, "gpu": torch.cuda.get_device_name(device) if cuda else None}
     everyone: list[Any] = [None] * world
     dist.all_gather_object(everyone, mine)
     if rank == 0:
@@ -170,12 +188,14 @@ def run_config(engine: str, world: int, args: argparse.Namespace, tmp: Path) -> 
     port = str(_free_port())
     procs = []
     for r in range(world):
-        env = {**os.environ, "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": str(world),
+        local = "0" if args.share_gpu else str(r)
+        env = {**os.environ, "RANK": str(r), "LOCAL_RANK": local, "WORLD_SIZE": str(world),
                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "MALLOC_MMAP_THRESHOLD_": str(128 * 1024),
                "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // world))}
         cmd = [sys.executable, "-m", "croupier.bench.rtp_memory", "--worker", "--engine", engine, "--result", str(result),
                "--steps", str(args.steps), "--warmup", str(args.warmup), "--seq", str(args.seq),
-               "--micro-batch", str(args.micro_batch), "--layers", str(args.layers)]
+               "--micro-batch", str(args.micro_batch), "--layers", str(args.layers),
+               "--device", args.device]
         procs.append(subprocess.Popen(cmd, env=env))
     deadline = time.monotonic() + args.timeout
     for p in procs:
@@ -187,7 +207,9 @@ def run_config(engine: str, world: int, args: argparse.Namespace, tmp: Path) -> 
 
 def report(rep: dict[str, Any], plots: Sequence[str] = ()) -> str:
     """The Markdown of a run (`rep`: its header, "settings" and "rows")."""
-    rows, args = rep["rows"], argparse.Namespace(**rep["settings"])
+    rows, args = rep["rows"], argparse.Namespace(**{"device": "cpu", "share_gpu": False, **rep["settings"]})
+    if args.device == "cuda":
+        return _report_cuda(rep, rows, args)
     cores = rep.get("machine", {}).get("cores", os.cpu_count())
     n_params = rows[0]["ranks"][0]["n_params"]
     whole_mib = n_params * 16 / 2**20  # fp32 parameter + gradient + AdamW's two moments
@@ -249,6 +271,35 @@ def report(rep: dict[str, Any], plots: Sequence[str] = ()) -> str:
     return "\n".join(lines)
 
 
+def _report_cuda(rep: dict[str, Any], rows: list[dict[str, Any]], args: argparse.Namespace) -> str:
+    """The Markdown of a run on GPUs (NCCL): peak GPU memory allocated instead of RSS."""
+    n_params = rows[0]["ranks"][0]["n_params"]
+    whole_mib = n_params * 16 / 2**20
+    gpu = rows[0]["ranks"][0].get("gpu", "a CUDA GPU")
+    placement = "every rank on cuda:0 (--share-gpu)" if args.share_gpu else "rank r on cuda:r"
+    lines = [
+        "# RTP memory and step time vs DDP and FSDP2 (GPU, NCCL)", "", *header_lines(rep),
+        f"GPU: {gpu}; {placement}. Model: GPT-2-small shape ({n_params / 1e6:.1f} M parameters), fp32, AdamW; "
+        f"{args.micro_batch} x {args.seq} tokens per rank per step; {args.warmup} warm-up + {args.steps} measured "
+        f"steps (median, each timed between CUDA synchronisations). Whole model state = {whole_mib:.0f} MiB.",
+        "", "*peak GPU memory* is `torch.cuda.max_memory_allocated` over the training steps, reset after "
+        "wrapping; *model state* counts local parameter, gradient and optimizer tensors.", "",
+        "| N | engine | step time (ms) | vs DDP | peak GPU memory (MiB) | model state (MiB) | whole state / N (MiB) "
+        "| ring buffers (MiB) | loss after the last step |",
+        "|---|---|---|---|---|---|---|---|---|"]
+    for world in dict.fromkeys(r["world"] for r in rows):
+        ddp = next((r for r in rows if r["engine"] == "ddp" and r["world"] == world), None)
+        ddp_time = max(x["step_s"] for x in ddp["ranks"]) if ddp else None
+        for row in (r for r in rows if r["world"] == world):
+            rk = row["ranks"]
+            step = max(x["step_s"] for x in rk)
+            vs = f"{step / ddp_time:.2f}x" if ddp_time else ""
+            lines.append(f"| {world} | {row['engine']} | {1000 * step:.1f} | {vs} | {max(x['peak_mib'] for x in rk):.0f} "
+                         f"| {max(x['state_mib'] for x in rk):.0f} | {whole_mib / world:.0f} | "
+                         f"{max(x['ring_mib'] for x in rk):.0f} | {rk[0]['loss']:.4f} |")
+    return "\n".join(lines + [""])
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m croupier.bench.rtp_memory", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -260,6 +311,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--micro-batch", type=int, default=2)
     p.add_argument("--layers", type=int, default=12)
     p.add_argument("--timeout", type=float, default=900.0, help="per engine and N, seconds")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="cuda: NCCL, rank r on cuda:r, peak = GPU memory allocated (default cpu: gloo, RSS)")
+    p.add_argument("--share-gpu", action="store_true",
+                   help="with --device cuda: every rank on cuda:0 (what one GPU allows; NCCL may refuse it)")
     p.add_argument("--out", type=Path, default=Path("bench/results/rtp_memory.md"),
                    help="the Markdown report (its JSON beside it, named alike)")
     p.add_argument("--render", type=Path, help="rewrite --out from a JSON this script saved, without measuring")
@@ -285,7 +340,7 @@ def main(argv: list[str] | None = None) -> None:
                 t0 = time.monotonic()
                 ranks = run_config(engine, world, args, tmp)
                 rep["rows"].append({"engine": engine, "world": world, "ranks": ranks})
-                print(f"{engine} N={world}: step {max(r['step_s'] for r in ranks):.2f} s, peak RSS "
+                print(f"{engine} N={world}: step {max(r['step_s'] for r in ranks):.3f} s, peak "
                       f"{max(r['peak_mib'] for r in ranks):.0f} MiB ({time.monotonic() - t0:.0f} s)", flush=True)
         for f in tmp.iterdir():
             f.unlink()

@@ -3,6 +3,7 @@
 from croupier.protocol.security import ClientSecurity
 from croupier.client.assemble import BatchAssembler, ProtocolError, RawBatch
 from croupier.client.connection import RetryPolicy
+from croupier.client.device_copy import NoCudaError
 from croupier.client.loader import Batch, Loader, LoaderError, LoaderStats
 from croupier.client.resume import ResumeError
 from croupier.client.samples import ImageDecoding, SampleDecodeError, numpy_collate
@@ -15,6 +16,7 @@ __all__ = [
     "Loader",
     "LoaderError",
     "LoaderStats",
+    "NoCudaError",
     "ProtocolError",
     "RawBatch",
     "ResumeError",

@@ -34,6 +34,7 @@ from croupier.client.assemble import BatchAssembler, ProtocolError, RawBatch
 from croupier.client.connection import (FINAL_LIMITS, RETRYABLE, Connection, Resolver, RetryPolicy, Servers, limit_of,
                                         resolve_host, size_limit_advice, transport_hint)
 from croupier.client.decode_tuner import DecodeTuner
+from croupier.client.device_copy import DeviceCopier
 from croupier.client.resume import Cursor, Shape, resume_cursor, state_of
 from croupier.client.samples import BatchFormat, ImageDecoding, collate_table, numpy_collate, raw_batch_samples
 
@@ -108,20 +109,6 @@ def _distributed_default() -> tuple[int, int]:
     return 0, 1
 
 
-def _move(obj: Any, device: "torch.device | None", pin: bool) -> Any:
-    import torch
-
-    if isinstance(obj, torch.Tensor):
-        if pin:
-            obj = obj.pin_memory()
-        return obj.to(device, non_blocking=pin) if device is not None else obj
-    if isinstance(obj, dict):
-        return {k: _move(v, device, pin) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)) and obj and isinstance(obj[0], (torch.Tensor, dict, list, tuple)):
-        return type(obj)(_move(v, device, pin) for v in obj)
-    return obj
-
-
 class Loader:
     """Batches of one rank's part of a globally shuffled epoch, served by croupier.
 
@@ -146,7 +133,12 @@ class Loader:
         collate_fn: list of samples -> batch; None: `torch.utils.data.default_collate`,
             or `numpy_collate` for format="numpy" (None means the default, as in a DataLoader).
         transform: applied to every sample dict before collation.
-        pin_memory, device: pin and move each batch (non-blocking when pinned).
+        pin_memory, device: where batches go. device="cuda" (or "cuda:i"): each batch is
+            pinned and copied with non-blocking copies on a side stream in the Loader's
+            thread, so batch n+1's copy overlaps the compute on batch n; the consumer's
+            current stream waits for it on the GPU as the batch is handed out
+            (`client/device_copy.py`). Without CUDA it raises `NoCudaError` at once.
+            pin_memory alone: batches pinned in host memory, for your own copy.
         in_order: yield batches in batch order (default); False yields a later batch
             first when it completes first (resume still loses and repeats nothing).
         buffer_batches: collated batches the sync iterator keeps ready ahead of the user.
@@ -242,6 +234,7 @@ class Loader:
             self.collate_fn = collate_fn or numpy_collate
             self._default_collate = collate_fn is None or collate_fn is numpy_collate
             self.decoding = replace(decoding, output="numpy") if decoding.output == "tensor" else decoding
+            self._copier = None
             self.pin_memory, self.device = False, None
         elif format == "torch":
             import torch
@@ -250,8 +243,9 @@ class Loader:
             self.collate_fn = collate_fn or default_collate
             self._default_collate = collate_fn is None or collate_fn is default_collate
             self.decoding = decoding
-            self.pin_memory = pin_memory and torch.cuda.is_available()
-            self.device = torch.device(device) if device is not None else None
+            copier = DeviceCopier(device, pin_memory)
+            self._copier = copier if copier.active else None
+            self.pin_memory, self.device = copier.pin_memory, copier.device
         else:
             raise ValueError(f"format must be 'torch' or 'numpy', got {format!r}")
 
@@ -484,8 +478,8 @@ class Loader:
             if self.transform is not None:
                 samples = [self.transform(s) for s in samples]
             data = self.collate_fn(samples)
-        if self.device is not None or self.pin_memory:
-            data = _move(data, self.device, self.pin_memory)
+        if self._copier is not None:
+            data = self._copier.send(data)  # copies issued, not awaited: `_handed_out` orders them
         return Batch(data, raw.epoch, raw.batch, raw.indices, raw.padding)
 
     def _decode_pool(self) -> concurrent.futures.ThreadPoolExecutor | None:
@@ -511,6 +505,8 @@ class Loader:
 
     def _handed_out(self, batch: Batch, t0: float) -> None:
         """Record, on the consumer's side, that the user now holds `batch`."""
+        if self._copier is not None:
+            batch.data = self._copier.receive(batch.data)  # on the consumer's thread and stream
         self.stats.batches += 1
         if self.stats.first_batch_s is None:
             self.stats.first_batch_s = time.perf_counter() - t0
