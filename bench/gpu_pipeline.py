@@ -42,7 +42,7 @@ import numpy as np
 from .driver import drive
 from .reporting import header_lines
 
-SETTINGS = ("rows", "row_bytes", "batch", "dim", "compute_ratio")
+SETTINGS = ("rows", "row_bytes", "batch", "dim", "compute_ratio", "repeats")
 MODES = ("croupier_side_stream", "user_pinned_non_blocking", "user_pageable", "resident")
 
 
@@ -95,26 +95,23 @@ class TimedStreams:
         self.copies: list[tuple[Any, Any]] = []
         self.waits: list[tuple[Any, Any]] = []
 
-    @contextlib.contextmanager
     def copying(self):
-        import torch
-
-        with self.inner.copying():
-            start = torch.cuda.Event(enable_timing=True)
-            start.record(self.inner.stream)
-            self._start = start
-            yield
+        return self.inner.copying()
 
     def copy(self, tensor):
-        return self.inner.copy(tensor)
-
-    def record(self):
         import torch
 
-        end = torch.cuda.Event(enable_timing=True)
+        # Pinned first, so the events time the transfer alone, not the host-side pinning.
+        pinned = tensor if tensor.is_pinned() else tensor.pin_memory()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record(self.inner.stream)
+        out = self.inner.copy(pinned)
         end.record(self.inner.stream)
-        self.copies.append((self._start, end))
-        return end
+        self.copies.append((start, end))
+        return out
+
+    def record(self):
+        return self.inner.record()
 
     def wait(self, event):
         import torch
@@ -263,7 +260,8 @@ def measure(args: argparse.Namespace, rep: dict[str, Any]) -> None:
         with serve(work / "pix.arrow", work) as address:
             step = Step(args.row_bytes, args.dim, device)
             cal = calibrate(address, args, step, device)
-            rows = [run_mode(m, address, args, step, device) for m in MODES]
+            # Modes interleaved, repeat after repeat, so a slow moment of the machine falls on all of them.
+            rows = [run_mode(m, address, args, step, device) | {"repeat": r} for r in range(args.repeats) for m in MODES]
     rep.update(gpu=props.name, settings={k: getattr(args, k) for k in SETTINGS}, calibration=cal, rows=rows)
 
 
@@ -273,17 +271,24 @@ def report(rep: dict[str, Any], plots: Sequence[str] = ()) -> str:
     lines = ["# The Loader's copies to the GPU: hidden copy time and GPU idle", "", *header_lines(rep),
              f"GPU: {rep['gpu']}. Data: {s['rows']} rows of {s['row_bytes']} "
              f"uint8 bytes (`x`) + an int64 `y`, one Arrow file served by `croupier serve` on loopback; batch "
-             f"{s['batch']} ({batch_mb:.1f} MB); one trainer process; the second of two epochs per mode.",
+             f"{s['batch']} ({batch_mb:.1f} MB); one trainer process; each measured epoch follows a warm-up epoch of its own Loader.",
              f"The Loader alone delivered a batch to the GPU every {cal['loader_interval_ms']:.2f} ms "
              f"({cal['loader_samples_per_s']:,.0f} samples/s); the step (a bf16 projection and "
              f"{cal['step_repeats']} {s['dim']}x{s['dim']} matmuls) was calibrated to {cal['step_ms']:.2f} ms, "
              f"{s['compute_ratio']}x that interval.", "",
-             "| mode | samples/s | step ms (median) | copy ms total | exposed ms total | copy hidden | GPU idle |",
+             f"Each figure is the median over {s.get('repeats', 1)} measured epochs per mode (samples/s: with the "
+             "lowest and highest); copy and exposed times are per epoch.", "",
+             "| mode | samples/s (min-max) | step ms | copy ms | exposed ms | copy hidden | GPU idle (min-max) |",
              "|---|---|---|---|---|---|---|"]
-    for r in rep["rows"]:
-        hidden = "" if r["hidden"] is None else f"{100 * r['hidden']:.1f}%"
-        lines.append(f"| {r['mode']} | {r['samples_per_s']:,.0f} | {r['step_ms_median']:.2f} | {r['copy_ms_total']:.1f} | "
-                     f"{r['exposed_ms_total']:.1f} | {hidden} | {100 * r['gpu_idle']:.1f}% |")
+    for mode in dict.fromkeys(r["mode"] for r in rep["rows"]):
+        rs = [r for r in rep["rows"] if r["mode"] == mode]
+        med = lambda key: statistics.median(r[key] for r in rs)  # noqa: E731
+        rate, idle = [r["samples_per_s"] for r in rs], [100 * r["gpu_idle"] for r in rs]
+        hiddens = [r["hidden"] for r in rs if r["hidden"] is not None]
+        hidden = f"{100 * statistics.median(hiddens):.1f}%" if hiddens else ""
+        lines.append(f"| {mode} | {med('samples_per_s'):,.0f} ({min(rate):,.0f}-{max(rate):,.0f}) | "
+                     f"{med('step_ms_median'):.2f} | {med('copy_ms_total'):.1f} | {med('exposed_ms_total'):.1f} | "
+                     f"{hidden} | {statistics.median(idle):.1f}% ({min(idle):.1f}-{max(idle):.1f}) |")
     return "\n".join(lines) + "\n"
 
 
@@ -295,6 +300,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--batch", type=int, default=256)
     p.add_argument("--dim", type=int, default=8192)
     p.add_argument("--compute-ratio", type=float, default=1.5)
+    p.add_argument("--repeats", type=int, default=3, help="epochs measured per mode (modes interleaved); medians reported")
     p.add_argument("--out", type=Path, default=Path("bench/results/gpu_pipeline.md"))
     p.add_argument("--render", type=Path, help="rewrite --out from a JSON this script saved, without measuring")
     args = p.parse_args(argv)

@@ -35,22 +35,33 @@ fi
     nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
     "$py" -c "import sys, torch, grpc, google.protobuf, pyarrow, numpy; print(sys.version); print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name(0)); print('nccl', torch.cuda.nccl.version()); print('grpc', grpc.__version__, 'protobuf', google.protobuf.__version__, 'pyarrow', pyarrow.__version__, 'numpy', numpy.__version__)"
     nproc
-} 2>&1 | tee "$out/machine.txt"
+} 2>&1 | tee "$out/run.log"
+
+# The native read pool, where a C compiler is (else the server reads with the Python pool).
+inc=$("$py" -c "import sysconfig; print(sysconfig.get_paths()['include'])")
+suffix=$("$py" -c "import sysconfig; print(sysconfig.get_config_var('EXT_SUFFIX'))")
+if gcc -O2 -shared -fPIC -I"$inc" "$repo/server/storage/_preadpool.c" -o "/tmp/_preadpool$suffix" -lpthread; then
+    cp "/tmp/_preadpool$suffix" "$repo/server/storage/" && echo "native read pool built" | tee -a "$out/run.log"
+fi
 
 cd "$out" || exit 1
 mkdir -p results
-# 1. The Loader's copies to the GPU.
-timeout 240 "$py" -m croupier.bench.gpu_pipeline --out results/gpu_pipeline.md 2>&1 | tee gpu_pipeline.log
+# 1. The Loader's copies to the GPU: image-sized rows (27 KB), then full-size ones (147 KB).
+timeout 200 "$py" -m croupier.bench.gpu_pipeline --out results/gpu_pipeline.md 2>&1 | tee -a run.log
+timeout 200 "$py" -m croupier.bench.gpu_pipeline --rows 4096 --row-bytes 150528 --compute-ratio 1.2 \
+    --out results/gpu_pipeline_large.md 2>&1 | tee -a run.log
+[ -n "${SKIP_RTP:-}" ] && exit 0
 # 2. RTP over NCCL against DDP and FSDP2, one rank per GPU this machine has.
 gpus=$("$py" -c "import torch; print(torch.cuda.device_count())")
 timeout 200 "$py" -m croupier.bench.rtp_memory --device cuda --ranks "$gpus" --seq 1024 --micro-batch 8 \
-    --warmup 3 --steps 10 --timeout 150 --out results/rtp_nccl.md 2>&1 | tee rtp_nccl.log
+    --warmup 3 --steps 10 --timeout 150 --out results/rtp_nccl.md 2>&1 | tee -a run.log
 # 3. Two ranks on one GPU: what NCCL says when a machine has a single GPU.
 if [ "$gpus" = 1 ]; then
     timeout 90 "$py" -m croupier.bench.rtp_memory --device cuda --share-gpu --ranks 2 --engines ddp rtp \
         --seq 1024 --micro-batch 8 --warmup 3 --steps 10 --timeout 80 --out results/rtp_nccl_shared.md \
-        > rtp_nccl_shared.log 2>&1
-    echo "two ranks on one GPU: exit $?" | tee -a rtp_nccl_shared.log
-    tail -c 4000 rtp_nccl_shared.log
+        > shared.log 2>&1
+    echo "two ranks on one GPU: exit $?" >> shared.log
+    tail -c 6000 shared.log | tee -a run.log
+    rm -f shared.log
 fi
 exit 0
