@@ -3,7 +3,11 @@
     croupier loadtest 127.0.0.1:50051 -c 16 --connections 4 -n 200 \\
         -d '{"dataset": "rows", "batch_size": 64, "world_size": 16, "rank": {{.WorkerID}}, "end_batch": 20}'
 
-Each call is one StreamEpoch stream read to its end. `--data` is the request as JSON
+The target is one HOST:PORT, several (comma-separated: replicas), or dns:///NAME:PORT for
+every address the name resolves to, as the Loader takes them: worker w calls replica
+w % n of the sorted addresses, as the Loader starts rank r on replica r % n, and the
+report counts each replica's calls and samples apart. Each call is one StreamEpoch stream
+read to its end. `--data` is the request as JSON
 (protobuf JSON names of StreamEpochRequest); like ghz, `{{.RequestNumber}}` and
 `{{.WorkerID}}` in it are replaced per call before parsing. `--concurrency` workers
 share `--connections` channels; the run stops after `--total` calls or `--duration`
@@ -22,11 +26,14 @@ import sys
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from croupier.protocol.security import ClientSecurity, add_client_arguments, check_address, security_from_args
+
+if TYPE_CHECKING:  # the client (grpc) is imported when a run starts, not when the command line is built
+    from croupier.client.connection import Resolver
 
 CALL = "croupier.v1.Croupier.StreamEpoch"
 PERCENTILES = (50, 90, 99, 99.9)
@@ -34,6 +41,7 @@ PERCENTILES = (50, 90, 99, 99.9)
 
 @dataclass(frozen=True)
 class LoadOptions:
+    #: HOST:PORT, several comma-separated, or dns:///NAME:PORT (client/connection.py Servers).
     target: str = "127.0.0.1:50051"
     data: str = '{"dataset": "rows", "batch_size": 64}'
     concurrency: int = 10
@@ -46,6 +54,10 @@ class LoadOptions:
     timeout_s: float = 20.0
     #: With a duration: "wait" lets calls in flight at the end finish, "cancel" cancels them.
     duration_stop: str = "wait"
+
+    @property
+    def targets(self) -> list[str]:
+        return [t.strip() for t in self.target.split(",") if t.strip()]
 
     def __post_init__(self) -> None:
         if self.concurrency < 1 or self.connections < 1:
@@ -75,6 +87,7 @@ def render_request(template: str, request_number: int, worker_id: int) -> Any:
 class CallResult:
     code: str
     duration_s: float
+    target: str = ""
     samples: int = 0
     bytes: int = 0
     batches: int = 0
@@ -83,11 +96,11 @@ class CallResult:
     detail: str = ""
 
 
-async def one_call(stub: Any, request: Any, timeout_s: float, metadata: tuple = ()) -> CallResult:
+async def one_call(stub: Any, request: Any, timeout_s: float, metadata: tuple = (), target: str = "") -> CallResult:
     import grpc
 
     t0 = time.perf_counter()
-    r = CallResult(code="OK", duration_s=0.0)
+    r = CallResult(code="OK", duration_s=0.0, target=target)
     last = t0
     call = stub.StreamEpoch(request, timeout=timeout_s, metadata=metadata or None)
     try:
@@ -113,21 +126,33 @@ async def one_call(stub: Any, request: Any, timeout_s: float, metadata: tuple = 
     return r
 
 
-async def _phase(stubs: list[Any], opts: LoadOptions, total: int | None, seconds: float | None,
-                 numbers: itertools.count, metadata: tuple = ()) -> tuple[list[CallResult], float]:
-    """Run workers until `total` calls were issued or `seconds` passed; returns results and wall time."""
+@dataclass
+class Replica:
+    """One replica's channels (`--connections` of them) and the metadata its calls carry."""
+
+    address: str
+    channels: list[Any]
+    stubs: list[Any]
+    metadata: tuple
+
+
+async def _phase(replicas: list[Replica], opts: LoadOptions, total: int | None, seconds: float | None,
+                 numbers: itertools.count) -> tuple[list[CallResult], float]:
+    """Run workers until `total` calls were issued or `seconds` passed; returns results and wall time.
+    Worker w calls replica w % n on its channel (w // n) % connections."""
     results: list[CallResult] = []
     issued = itertools.count()
     t0 = time.perf_counter()
     deadline = t0 + seconds if seconds is not None else math.inf
 
     async def worker(wid: int) -> None:
-        stub = stubs[wid % len(stubs)]
+        replica = replicas[wid % len(replicas)]
+        stub = replica.stubs[(wid // len(replicas)) % len(replica.stubs)]
         while time.perf_counter() < deadline:
             if total is not None and next(issued) >= total:
                 return
             request = render_request(opts.data, next(numbers), wid)
-            results.append(await one_call(stub, request, opts.timeout_s, metadata))
+            results.append(await one_call(stub, request, opts.timeout_s, replica.metadata, replica.address))
 
     tasks = [asyncio.create_task(worker(w)) for w in range(opts.concurrency)]
     if seconds is None:
@@ -178,52 +203,82 @@ def summarize(results: list[CallResult], wall_s: float) -> dict[str, Any]:
         "time_to_first_sample": summarize_latency([r.first_sample_s for r in results if r.first_sample_s is not None]),
         "batch_latency": summarize_latency([x for r in results for x in r.batch_latencies_s]),
         "stream_duration": summarize_latency([r.duration_s for r in ok]),
+        "per_target": per_target(results, wall),
     }
 
 
-async def run_load_async(opts: LoadOptions, security: ClientSecurity | None = None) -> dict[str, Any]:
-    """`security` (TLS, token) is kept out of `opts`: the report repeats opts, never a token."""
+def per_target(results: list[CallResult], wall_s: float) -> dict[str, dict[str, float]]:
+    """Each replica's calls, OK calls, samples and samples/s, as this client counted them."""
+    out: dict[str, dict[str, float]] = {}
+    for r in results:
+        t = out.setdefault(r.target, {"calls": 0, "ok": 0, "samples": 0})
+        t["calls"] += 1
+        t["ok"] += r.code == "OK"
+        t["samples"] += r.samples
+    for t in out.values():
+        t["samples_per_s"] = t["samples"] / max(wall_s, 1e-9)
+    return dict(sorted(out.items()))
+
+
+def _open_replicas(opts: LoadOptions, security: ClientSecurity, resolve: Resolver | None) -> list[Replica]:
+    """`--connections` channels to every address the target stands for, in the Loader's order."""
     import grpc
 
+    from croupier.client.connection import Servers, resolve_host
     from croupier.v1 import croupier_pb2_grpc as pb_grpc
 
-    render_request(opts.data, 0, 0)  # a bad template fails before any call
-    check_address(opts.target)
-    security = security or ClientSecurity.resolve()
-    metadata = security.metadata(opts.target)
-    options = [("grpc.max_receive_message_length", 256 << 20), ("grpc.enable_retries", 0),
-               # Separate channels must not share one TCP connection.
-               ("grpc.use_local_subchannel_pool", 1)] + security.channel_options()
+    servers = Servers(opts.targets, resolve or resolve_host)
     credentials = security.channel_credentials()
-    channels = [grpc.aio.insecure_channel(opts.target, options=options) if credentials is None
-                else grpc.aio.secure_channel(opts.target, credentials, options=options)
-                for _ in range(opts.connections)]
+    replicas = []
+    for address in servers.refresh():
+        options = [("grpc.max_receive_message_length", 256 << 20), ("grpc.enable_retries", 0),
+                   # Separate channels must not share one TCP connection.
+                   ("grpc.use_local_subchannel_pool", 1)] + security.channel_options()
+        options += servers.channel_options(address, security)  # TLS: the certificate names the DNS name
+        channels = [grpc.aio.insecure_channel(address, options=options) if credentials is None
+                    else grpc.aio.secure_channel(address, credentials, options=options)
+                    for _ in range(opts.connections)]
+        replicas.append(Replica(address, channels, [pb_grpc.CroupierStub(ch) for ch in channels],
+                                security.metadata(address)))
+    return replicas
+
+
+async def run_load_async(opts: LoadOptions, security: ClientSecurity | None = None,
+                         resolve: Resolver | None = None) -> dict[str, Any]:
+    """`security` (TLS, token) is kept out of `opts`: the report repeats opts, never a token.
+    `resolve` finds the addresses of a dns:/// target (default: getaddrinfo)."""
+    render_request(opts.data, 0, 0)  # a bad template fails before any call
+    for target in opts.targets or [opts.target]:
+        check_address(target)
+    security = security or ClientSecurity.resolve()
+    replicas = _open_replicas(opts, security, resolve)
     try:
-        stubs = [pb_grpc.CroupierStub(ch) for ch in channels]
         numbers = itertools.count()
         warmup = None
         if opts.warmup_s > 0:
-            w_results, w_wall = await _phase(stubs, opts, None, opts.warmup_s, numbers, metadata)
+            w_results, w_wall = await _phase(replicas, opts, None, opts.warmup_s, numbers)
             warmup = {k: v for k, v in summarize(w_results, w_wall).items()
                       if k in ("calls", "ok", "samples", "status_codes", "seconds")}
-        results, wall = await _phase(stubs, opts, opts.total, opts.duration_s, numbers, metadata)
+        results, wall = await _phase(replicas, opts, opts.total, opts.duration_s, numbers)
     finally:
-        for ch in channels:
-            await ch.close()
+        for replica in replicas:
+            for channel in replica.channels:
+                await channel.close()
     report = summarize(results, wall)
     report["warmup"] = warmup
     report["options"] = asdict(opts)
     return report
 
 
-def run_load(opts: LoadOptions, security: ClientSecurity | None = None) -> dict[str, Any]:
+def run_load(opts: LoadOptions, security: ClientSecurity | None = None,
+             resolve: Resolver | None = None) -> dict[str, Any]:
     """Blocking: run the load test on a fresh event loop (uvloop when installed)."""
     try:
         import uvloop
 
-        return uvloop.run(run_load_async(opts, security))
+        return uvloop.run(run_load_async(opts, security, resolve))
     except ImportError:
-        return asyncio.run(run_load_async(opts, security))
+        return asyncio.run(run_load_async(opts, security, resolve))
 
 
 # ---- output -----------------------------------------------------------------------
@@ -255,6 +310,9 @@ def format_text(report: dict[str, Any]) -> str:
         f"  Samples/s:    {report['samples_per_s']:.0f} ({report['samples']} samples, {report['batches']} batches)",
         f"  MB/s:         {report['mb_per_s']:.2f}",
     ]
+    if len(report["per_target"]) > 1:
+        lines += [f"  Replica {a}: {t['calls']} calls ({t['ok']} OK), {t['samples']} samples, "
+                  f"{t['samples_per_s']:.0f} samples/s" for a, t in report["per_target"].items()]
     if report.get("warmup"):
         w = report["warmup"]
         lines.append(f"  Warm-up:      {w['calls']} calls in {w['seconds']:.2f} s, not counted above")
@@ -275,13 +333,14 @@ def format_text(report: dict[str, Any]) -> str:
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("loadtest", help="load-test a croupier server (like ghz)",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("target", nargs="?", default="127.0.0.1:50051", help="host:port (default 127.0.0.1:50051)")
+    p.add_argument("target", nargs="?", default="127.0.0.1:50051",
+                   help="host:port, several comma-separated (replicas), or dns:///NAME:PORT (default 127.0.0.1:50051)")
     p.add_argument("--call", default=CALL, help=f"the method (only {CALL})")
     p.add_argument("-d", "--data", default='{"dataset": "rows", "batch_size": 64, "end_batch": 10}',
                    help="StreamEpochRequest as JSON; {{.RequestNumber}} and {{.WorkerID}} are substituted")
     p.add_argument("-D", "--data-file", help="read --data from this file")
     p.add_argument("-c", "--concurrency", type=int, default=10, help="concurrent workers (default 10)")
-    p.add_argument("--connections", type=int, default=1, help="gRPC channels the workers share (default 1)")
+    p.add_argument("--connections", type=int, default=1, help="gRPC channels to each replica, shared by its workers (default 1)")
     p.add_argument("-n", "--total", type=int, help="calls to make (default 200 unless --duration)")
     p.add_argument("-z", "--duration", type=float, help="seconds to issue calls for")
     p.add_argument("--duration-stop", choices=["wait", "cancel"], default="wait",

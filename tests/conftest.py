@@ -35,7 +35,9 @@ class ServerProcess:
 
     @property
     def address(self) -> str:
-        return f"127.0.0.1:{self.port}"
+        # A server on 127.0.0.k answers there; "localhost" listens on 127.0.0.1 (and ::1).
+        host = self.host if self.host.startswith("127.") else "127.0.0.1"
+        return f"{host}:{self.port}"
 
     def start(self, timeout: float = 60.0) -> "ServerProcess":
         ready = self.tmp / f"ready-{time.monotonic_ns()}.json"
