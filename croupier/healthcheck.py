@@ -46,7 +46,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("address", nargs="?", help="HOST:PORT (default 127.0.0.1:$CROUPIER_PORT, else 50051)")
     p.add_argument("service", nargs="?", default="croupier.v1.Croupier",
                    help="the service to ask about (default croupier.v1.Croupier; '' for the whole server)")
-    p.set_defaults(func=lambda args: main([a for a in (args.address, args.service) if a is not None]))
+    # The address is always passed: alone, the default service would be taken for the address.
+    p.set_defaults(func=lambda args: main([args.address or f"127.0.0.1:{os.environ.get('CROUPIER_PORT', '50051')}",
+                                           args.service]))
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
 import sys
@@ -29,3 +30,12 @@ def test_health_fails_cleanly_where_nothing_listens() -> None:
     out = _health(f"127.0.0.1:{port}")
     assert out.returncode == 1
     assert f"127.0.0.1:{port}" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_health_without_an_address_asks_127_0_0_1_on_croupier_port(serve_inprocess) -> None:
+    # As the images' HEALTHCHECK runs it: no arguments, the port from the environment.
+    srv = serve_inprocess(datasets=["a=synthetic:10"])
+    port = srv.address.rsplit(":", 1)[1]
+    out = subprocess.run([sys.executable, "-m", "croupier.cli", "health"], capture_output=True, text=True, timeout=60,
+                         env={**os.environ, "CROUPIER_PORT": port})
+    assert out.returncode == 0, out.stderr
