@@ -98,9 +98,7 @@ def load_checkpoint(root: Path, model: RotatedTensorParallel, optimizer: torch.o
     folder = root / pointer.read_text().strip()
     model.load_sharded(folder, optimizer)
     saved = json.loads((folder / f"loader-rank{dist.get_rank()}.json").read_text())
-    loader.load_state_dict(saved["loader"])
-    if saved["loader"]["next_batch"] >= len(loader):  # taken at the end of an epoch: go on to the next
-        loader.set_epoch(loader.epoch + 1)
+    loader.load_state_dict(saved["loader"])  # taken at an epoch's end: the next pass is the next epoch
     return int(saved["step"])
 
 
@@ -167,8 +165,7 @@ def main(argv: list[str] | None = None) -> int:
                 save_checkpoint(args.checkpoint_dir, step, model, optimizer, loader)
             if stopped or step >= args.max_steps:
                 break
-        else:
-            loader.set_epoch(loader.epoch + 1)
+        # An epoch that ran out: the next pass of the Loader is the next epoch, reshuffled.
     if args.val_dataset and not stopped:
         val = Loader(args.val_dataset, servers=servers, batch_size=args.batch_size, seed=args.seed,
                      columns=["input_ids"], device=device if use_cuda else None)

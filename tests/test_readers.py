@@ -224,6 +224,17 @@ def test_imagefolder_serves_classes_labels_and_images_in_torchvision_order(tmp_p
     assert [r.label for r in decoded] == [lab for _, lab in written]
 
 
+def test_imagefolder_skips_a_link_back_to_a_parent_once_and_says_so(tmp_path: Path, caplog) -> None:
+    written = write_imagefolder(tmp_path / "img", 4, classes=("cat", "dog"))
+    os.symlink(tmp_path / "img", tmp_path / "img" / "cat" / "loop")  # followed: cat/loop/cat/loop/...
+    os.symlink(tmp_path / "img" / "dog", tmp_path / "img" / "cat" / "dogs")  # a sibling: followed, as torchvision does
+    with caplog.at_level("WARNING", logger="croupier.server.storage"):
+        reader = open_dataset(tmp_path / "img")
+    assert len(reader) == len(written) + 4  # cat's 4, dog's 4, and dog's 4 again through cat/dogs
+    assert any(f"{tmp_path / 'img' / 'cat' / 'loop'} -> {tmp_path / 'img'}: it links to a folder that contains it"
+               in r.getMessage() for r in caplog.records)
+
+
 def test_imagefolder_without_images_is_a_dataset_error(tmp_path: Path) -> None:
     (tmp_path / "img" / "cat").mkdir(parents=True)
     with pytest.raises(DatasetError, match="no image files"):

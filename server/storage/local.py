@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import logging
 import os
 import stat
 import threading
@@ -27,6 +28,8 @@ from collections.abc import Callable, Sequence
 from .base import FileEntry, Range, Store
 from . import native, readpath
 from .iopool import IOPool
+
+log = logging.getLogger("croupier.server.storage")
 
 #: Open files kept at once; older unused ones are closed (stays well under ulimit -n).
 DEFAULT_MAX_OPEN_FILES = 512
@@ -116,13 +119,26 @@ def scandir_names(path: str, on_link: Callable[[str], object] | None = None) -> 
     dirs, files = [], []
     with os.scandir(path) as it:
         for e in it:
-            if on_link is not None and e.is_symlink():
+            link = e.is_symlink()
+            if on_link is not None and link:
                 on_link(e.path)
             if e.is_dir():
+                if link and _loops_back(e.path, path):
+                    continue
                 dirs.append(e.name)
             elif e.is_file():
                 files.append(e.name)
     return sorted(dirs), sorted(files)
+
+
+def _loops_back(link: str, folder: str) -> bool:
+    """Whether the folder link `link` in `folder` points at `folder` or one of its parents:
+    followed, it would list the same files again and again (until ELOOP, 40 levels down)."""
+    target, here = os.path.realpath(link), os.path.realpath(folder)
+    if here == target or here.startswith(target.rstrip(os.sep) + os.sep):
+        log.warning("skipped %s -> %s: it links to a folder that contains it (a loop)", link, target)
+        return True
+    return False
 
 
 def _raise_open_files_limit() -> None:
