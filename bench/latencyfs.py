@@ -278,9 +278,11 @@ class LatencyFS:
 
 
 def daemon_args(*, median_ms: float, sigma: float = 0.5, distribution: str = "lognormal",
-                seed: int = 0, max_threads: int = 1024, max_background: int | None = None) -> list[str]:
+                seed: int = 0, max_threads: int = 1024, max_background: int | None = None,
+                async_dio: bool = True) -> list[str]:
     """The daemon's options. `max_background`: None raises the kernel's cap on background
-    requests to `max_threads` (the default), KERNEL_DEFAULT (0) keeps the kernel's 12, N sets N."""
+    requests to `max_threads` (the default), KERNEL_DEFAULT (0) keeps the kernel's 12, N sets N.
+    `async_dio=False`: O_DIRECT reads reach the daemon as synchronous requests (--sync-dio)."""
     if distribution not in DISTRIBUTIONS:
         raise ValueError(f"distribution must be one of {DISTRIBUTIONS}, not {distribution!r}")
     if median_ms < 0 or sigma < 0:
@@ -291,6 +293,8 @@ def daemon_args(*, median_ms: float, sigma: float = 0.5, distribution: str = "lo
             "--distribution", distribution, "--seed", str(int(seed)), "--max-threads", str(int(max_threads))]
     if max_background is not None:
         args += ["--max-background", str(int(max_background))]
+    if not async_dio:
+        args.append("--sync-dio")
     return args
 
 
@@ -298,7 +302,8 @@ def daemon_args(*, median_ms: float, sigma: float = 0.5, distribution: str = "lo
 def mounted(source: str | os.PathLike, mountpoint: str | os.PathLike | None = None, *,
             median_ms: float, sigma: float = 0.5, distribution: str = "lognormal", seed: int = 0,
             max_threads: int = 1024, max_background: int | None = None, fuse_options: Sequence[str] = (),
-            binary: str | os.PathLike | None = None, timeout: float = 20.0) -> Iterator[LatencyFS]:
+            binary: str | os.PathLike | None = None, timeout: float = 20.0,
+            async_dio: bool = True) -> Iterator[LatencyFS]:
     """Mount `source` read-only at `mountpoint` (a fresh temporary folder when None) with
     every read request delayed, and yield a LatencyFS once the mount answers.
 
@@ -312,7 +317,7 @@ def mounted(source: str | os.PathLike, mountpoint: str | os.PathLike | None = No
     if not src.is_dir():
         raise FileNotFoundError(f"latencyfs source folder {src} does not exist")
     args = daemon_args(median_ms=median_ms, sigma=sigma, distribution=distribution,
-                       seed=seed, max_threads=max_threads, max_background=max_background)
+                       seed=seed, max_threads=max_threads, max_background=max_background, async_dio=async_dio)
     exe = Path(binary) if binary is not None else build()
     work = Path(tempfile.mkdtemp(prefix="latencyfs-"))
     created: Path | None = None

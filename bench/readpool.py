@@ -10,6 +10,7 @@ each run. Each way of reading runs in its own process, alternated over rounds:
   driven from a uvloop loop the way the server drives it (`pread_ranges` + a callback);
 - `pool-mmap`: the same pool reading by copies out of a read-only mapping of each file
   (the page faults taken on its threads: the second read path, server/storage/readpath.py);
+- `pool-direct`: the same pool reading each file opened again with O_DIRECT (the third);
 - `pool@REV` (with --against): the same, with the pool's C source of revision REV;
 - `threads`: bench/native/rawreads.c, IN_FLIGHT threads doing blocking preads back
   to back: the least any pool of blocking threads costs;
@@ -18,6 +19,8 @@ each run. Each way of reading runs in its own process, alternated over rounds:
 
 `--max-background 0` mounts the latency FS with the kernel's default cap on background
 FUSE requests (12), as most FUSE file systems are mounted; by default it is raised.
+`--sync-dio` mounts it without async direct I/O (libfuse asks for it by default), so an
+O_DIRECT read reaches the daemon as a synchronous request, outside that cap.
 
 Reported per read: the process's CPU (for the pools, split into the event-loop thread and
 the read threads, from the scheduler's per-thread counts) and the FUSE daemon's CPU, the
@@ -98,14 +101,15 @@ def build_pool(rev: str, work: Path) -> Path:
 
 
 # ---- the child: one run of a pool ------------------------------------------------------
-async def _drive_pool(pool, fds: list[int], reads: int, in_flight: int, size: int, seed: int, maps=None) -> float:
+async def _drive_pool(pool, fds: list[int], reads: int, in_flight: int, size: int, seed: int, maps=None,
+                      directs=None) -> float:
     span = min(os.fstat(fd).st_size for fd in fds) - size
     rng = random.Random(seed)
 
     def start(landed) -> None:
         i = rng.randrange(len(fds))
         pool.pread_ranges(fds[i], "", [(rng.randrange(span), size)], lambda _parts, err: landed(err),
-                          maps[i] if maps else None)
+                          maps[i] if maps else None, directs[i] if directs else None)
 
     return await keep_in_flight(start, reads, in_flight)
 
@@ -125,8 +129,9 @@ def child(args: argparse.Namespace) -> int:
     for fd in fds:
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
     maps = [native.Mapping(fd) for fd in fds] if args.read_path == "mmap" else None
+    directs = [native.open_direct(f) for f in args.files] if args.read_path == "direct" else None
     before, t0 = procstat.thread_cpu(), procstat.cpu_seconds()
-    seconds = uvloop.run(_drive_pool(pool, fds, args.reads, args.in_flight, args.size, args.seed, maps))
+    seconds = uvloop.run(_drive_pool(pool, fds, args.reads, args.in_flight, args.size, args.seed, maps, directs))
     after, t1 = procstat.thread_cpu(), procstat.cpu_seconds()
     groups = procstat.thread_cpu_delta(before, after)
     loop_s = sum(cpu for tid, (_, _, _, cpu) in after.items() if tid == os.getpid()) - before[os.getpid()][3]
@@ -150,7 +155,7 @@ def run_one(mode: str, binary: Path | None, pool_so: Path | None, fs, files: lis
         cmd = [sys.executable, "-m", "croupier.bench.readpool", "--child", "--reads", str(a.reads),
                "--in-flight", str(a.in_flight), "--size", str(a.size), "--seed", str(seed)]
         cmd += ["--pool-so", str(pool_so)] if pool_so is not None else []
-        cmd += ["--read-path", "mmap"] if mode == "pool-mmap" else []
+        cmd += ["--read-path", mode.removeprefix("pool-")] if mode in ("pool-mmap", "pool-direct") else []
         cmd += mounted
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     if r.returncode != 0:
@@ -176,6 +181,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--files", type=int, default=8, help="files of 64 MB to read from")
     p.add_argument("--max-background", type=int, default=None,
                    help="the latency FS's cap on background FUSE requests (0: the kernel's default, 12; default: raised)")
+    p.add_argument("--sync-dio", action="store_true",
+                   help="mount the latency FS without async direct I/O: O_DIRECT reads outside max_background")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--read-path", default="pread", help=argparse.SUPPRESS)
     p.add_argument("--pool-so", default="", help=argparse.SUPPRESS)
@@ -198,7 +205,8 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="readpool-") as tmp:
         work = Path(tmp)
         raw = build_raw(work)
-        modes: list[tuple[str, Path | None, Path | None]] = [("pool", None, None), ("pool-mmap", None, None)]
+        modes: list[tuple[str, Path | None, Path | None]] = [("pool", None, None), ("pool-mmap", None, None),
+                                                             ("pool-direct", None, None)]
         modes += [(f"pool@{rev}", None, build_pool(rev, work)) for rev in a.against]
         skipped = {}
         for m in ("threads", "io_uring"):
@@ -207,7 +215,8 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 skipped[m] = raw[m]
         results: dict[str, list[dict]] = {m: [] for m, _, _ in modes}
-        with latencyfs.mounted(a.data_dir, median_ms=a.median_ms, max_background=a.max_background) as fs:
+        with latencyfs.mounted(a.data_dir, median_ms=a.median_ms, max_background=a.max_background,
+                               async_dio=not a.sync_dio) as fs:
             for rnd in range(a.rounds):
                 for mode, binary, so in modes:
                     r = run_one(mode.split("@")[0], binary, so, fs, files, a, seed=rnd)
@@ -237,7 +246,7 @@ def summarize(results: dict[str, list[dict]], skipped: dict[str, str], a: argpar
                       "read_threads_us": med(rs, "read_threads_s"), "daemon_us": med(rs, "daemon_s"), "runs": rs}
     cmd = ("python -m croupier.bench.readpool" + "".join(f" --against {r}" for r in a.against)
            + (f" --max-background {bg}" if (bg := getattr(a, "max_background", None)) is not None else "")
-           + (f" --out {a.out}" if a.out else ""))
+           + (" --sync-dio" if getattr(a, "sync_dio", False) else "") + (f" --out {a.out}" if a.out else ""))
     header = {**run_header(cmd), "started": utc(started), "load": {"start": list(load0), "end": list(load1)}}
     fmt = lambda v: num(v, ".1f")  # noqa: E731
     lines = [
@@ -245,7 +254,8 @@ def summarize(results: dict[str, list[dict]], skipped: dict[str, str], a: argpar
         *header_lines(header),
         f"{a.reads:,} random reads of {a.size:,} bytes, {a.in_flight} in flight, over {a.files} files of 64 MB on "
         f"latencyfs (lognormal median {a.median_ms:g} ms, sigma 0.5, max_background "
-        f"{'raised' if bg is None else bg or 'the kernel default, 12'}); page cache of the files evicted before each run; "
+        f"{'raised' if bg is None else bg or 'the kernel default, 12'}"
+        f"{', direct I/O synchronous' if getattr(a, 'sync_dio', False) else ''}); page cache of the files evicted before each run; "
         f"{a.rounds} rounds, modes alternated; medians. The load average counts the runs' own threads blocked in "
         "reads.", "",
         "| way of reading | reads/s | process CPU us/read | event loop | read threads | FUSE daemon us/read |",

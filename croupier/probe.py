@@ -5,10 +5,12 @@ p99) and sweeps the reads in flight (1, 2, 4, ... up to --max-concurrency), stop
 the rate has gained less than 10% twice in a row: the concurrency at which throughput
 stops rising, and the peak rate there.
 
-* Files (a local disk, NFS, a FUSE mount): preads and page faults of a read-only mapping,
-  both on native threads (the pool's `measure`, as the server's own probe at pin), on
-  pages never read before in this run, the file marked POSIX_FADV_RANDOM and mapped
-  MADV_RANDOM as the server does, so a read asks the storage for its own pages only.
+* Files (a local disk, NFS, a FUSE mount): preads, page faults of a read-only mapping and
+  O_DIRECT reads, all on native threads (the pool's `measure`, as the server's own probe
+  at pin), on pages never read before in this run, the file marked POSIX_FADV_RANDOM and
+  mapped MADV_RANDOM as the server does, so a read asks the storage for its own pages
+  only (O_DIRECT: for the bytes asked, rounded to the alignment the file system wants).
+  Where the file system refuses O_DIRECT, that path is shown unavailable, with the reason.
   The path croupier will use is readpath.py's rule applied to the rates at its probe
   concurrency (64).
 * s3:// (gs://, az://): range GETs through the server's ObjectStore (urls.open_store: the
@@ -27,13 +29,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import errno
 import json
 import math
 import os
 import random
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from croupier.server.serve_options import _storage_options as storage_options
@@ -65,7 +69,7 @@ class ProbeError(Exception):
 class PathResult:
     """One read path's measurements."""
 
-    name: str  # "pread", "mmap" or "get"
+    name: str  # "pread", "mmap", "direct" or "get"
     latencies_s: list[float] = field(default_factory=list)
     sweep: list[tuple[int, float]] = field(default_factory=list)  # (reads in flight, reads/s)
     cpu_cores: dict[int, float] = field(default_factory=dict)  # concurrency -> CPU seconds per second
@@ -74,6 +78,8 @@ class PathResult:
     stopped: str = ""  # why the sweep ended
     rule_rate: float | None = None  # files: reads/s at readpath.PROBE_CONCURRENCY, which its rule reads
     serial_latency_s: float = 0.0  # files: the mean of _SERIAL_READS reads on one thread, as readpath times L0
+    unavailable: str = ""  # why this path cannot be used here (O_DIRECT refused), else ""
+    align: int = 0  # direct: the offset and size alignment the file system wants
 
     def percentile(self, q: float) -> float:
         xs = sorted(self.latencies_s)
@@ -109,7 +115,8 @@ class PathResult:
                                                                   for c, r in self.sweep],
                 "knee_concurrency": self.knee, "peak_reads_per_s": round(self.peak_rate, 1),
                 "ceiling_in_flight": round(self.ceiling, 1), "reads": self.reads, "bytes": self.bytes,
-                "stopped": self.stopped, "reads_per_s_at_rule_concurrency": self.rule_rate}
+                "stopped": self.stopped, "reads_per_s_at_rule_concurrency": self.rule_rate,
+                "unavailable": self.unavailable or None}
 
 
 @dataclass
@@ -148,6 +155,9 @@ class Report:
                  f"{'path':<6} {'p50 ms':>8} {'p90 ms':>8} {'p99 ms':>8} {'knee':>5} {'peak reads/s':>13} "
                  f"{'in flight':>9}  sweep (concurrency:reads/s)"]
         for p in self.paths.values():
+            if p.unavailable:
+                lines.append(f"{p.name:<6} unavailable: {p.unavailable}")
+                continue
             mark = "*" if p.name == self.chosen else " "
             sweep = " ".join(f"{c}:{r:,.0f}" for c, r in p.sweep)
             lines.append(f"{p.name + mark:<6} {p.percentile(.5) * 1e3:>8.2f} {p.percentile(.9) * 1e3:>8.2f} "
@@ -257,8 +267,37 @@ def _open(path: str) -> int:
         raise ProbeError(f"{path}: cannot open it for reading: {e.strerror}") from e
 
 
+@contextlib.contextmanager
+def _opened(result: PathResult, path: str) -> Iterator[tuple[int, object, int]]:
+    """`path` opened as `result`'s path reads it: (fd, mapping or None, O_DIRECT alignment
+    or 0); O_DIRECT at the alignment found on the first file (OSError where refused)."""
+    mapping = None
+    if result.name == "direct":
+        fd, result.align = native.open_direct(path, result.align or None)
+    else:
+        fd = _open(path)
+    try:
+        if result.name != "direct":
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+        mapping = native.Mapping(fd) if result.name == "mmap" else None
+        yield fd, mapping, result.align
+    finally:
+        if mapping is not None:
+            mapping.close()
+        os.close(fd)
+
+
+def _read_cost(result: PathResult, pages: Pages, row_bytes: int) -> int:
+    """Bytes one read asks the storage for: its pages, or for O_DIRECT the aligned range
+    around the row (a row starts _SKEW into its slot, which is page-aligned)."""
+    a = result.align
+    if result.name != "direct" or a <= 0:
+        return pages.span
+    return -(-(_SKEW % a + row_bytes) // a) * a
+
+
 def _file_step(result: PathResult, pages: Pages, budget: Budget, row_bytes: int, bar) -> Callable[[int], float | None]:
-    """reads/s at c in flight of `result.name` (pread or mmap) on unread pages."""
+    """reads/s at c in flight of `result.name` (pread, mmap or direct) on unread pages."""
 
     def step(c: int) -> float | None:
         n = ROUNDS * c
@@ -270,16 +309,8 @@ def _file_step(result: PathResult, pages: Pages, budget: Budget, row_bytes: int,
             result.stopped = f"the files ran out of unread pages before {c} in flight"
             return None
         budget.take(n, result)
-        fd = _open(path)
-        mapping = None
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
-            mapping = native.Mapping(fd) if result.name == "mmap" else None
-            rate, result.cpu_cores[c] = readpath.timed_rate(fd, mapping, offsets, row_bytes, c)
-        finally:
-            if mapping is not None:
-                mapping.close()
-            os.close(fd)
+        with _opened(result, path) as (fd, mapping, align):
+            rate, result.cpu_cores[c] = readpath.timed_rate(fd, mapping, offsets, row_bytes, c, align)
         bar.update(n)
         return rate
 
@@ -291,25 +322,17 @@ def _file_latencies(result: PathResult, pages: Pages, budget: Budget, row_bytes:
     offsets = offsets[:budget.take(len(offsets), result)]
     if not offsets:
         return
-    fd = _open(path)
-    mapping = None
-    try:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
-        mapping = native.Mapping(fd) if result.name == "mmap" else None
+    with _opened(result, path) as (fd, mapping, align):
         serial, offsets = offsets[:_SERIAL_READS], offsets[_SERIAL_READS:]
-        secs, *_ = native.measure(fd, mapping, serial, row_bytes, 1)
+        secs, *_ = native.measure(fd, mapping, serial, row_bytes, 1, align)
         result.serial_latency_s = secs / max(1, len(serial))  # readpath's L0: one thread, one read at a time
         bar.update(len(serial))
         for off in offsets:
-            secs, errors, *_ = native.measure(fd, mapping, [off], row_bytes, 1)
+            secs, errors, *_ = native.measure(fd, mapping, [off], row_bytes, 1, align)
             if errors:
                 raise ProbeError(f"{path}: a read of {row_bytes} bytes at offset {off} failed")
             result.latencies_s.append(secs)
             bar.update(1)
-    finally:
-        if mapping is not None:
-            mapping.close()
-        os.close(fd)
 
 
 def list_files(target: str) -> list[tuple[str, int]]:
@@ -348,11 +371,15 @@ def probe_files(target: str, *, row_bytes: int, rows: str, max_bytes: int, max_c
     for path, _ in files[:1]:
         os.close(_open(path))  # unreadable: say so before any measurement
     budget = Budget(max_bytes, pages.span)
-    share = max_bytes // 2 // pages.span  # reads per path
+    paths = len(readpath.READ_PATHS)
+    share = max_bytes // paths // pages.span  # reads per path
     results = {name: PathResult(name) for name in readpath.READ_PATHS}
-    with _bar(2 * min(_planned_reads(max_concurrency), share), f"probe {target}") as bar:
+    with _bar(paths * min(_planned_reads(max_concurrency), share), f"probe {target}") as bar:
         for result in results.values():
-            path_budget = Budget(min(budget.left, share * pages.span), pages.span)
+            if not _usable(result, pages.files[0].path):
+                continue
+            spent = result.bytes  # O_DIRECT's test read of the alignment
+            path_budget = Budget(min(budget.left - spent, share * pages.span), _read_cost(result, pages, row_bytes))
             _file_latencies(result, pages, path_budget, row_bytes, bar)
             sweep(result, _file_step(result, pages, path_budget, row_bytes, bar), max_concurrency)
             _at_probe_concurrency(result, _file_step(result, pages, path_budget, row_bytes, bar))
@@ -364,6 +391,23 @@ def probe_files(target: str, *, row_bytes: int, rows: str, max_bytes: int, max_c
     storage = f"{mount.fs_type} at {mount.point}{known}"
     return Report(target, storage, len(files), row_bytes, rows, max_bytes, results, choice.path,
                   _reason(choice), _file_remedies(target, choice, max_concurrency))
+
+
+def _usable(result: PathResult, path: str) -> bool:
+    """The path can read `path` here (O_DIRECT may be refused: the reason is kept)."""
+    if result.name != "direct":
+        return True
+    try:
+        with _opened(result, path):
+            pass
+    except OSError as e:
+        why = "the file system refuses O_DIRECT" if e.errno == errno.EINVAL else "O_DIRECT open failed"
+        result.unavailable = f"{why} ({e.strerror or e})"
+        return False
+    if result.align in (1, 512):  # found by reading that many bytes at that offset (1, then 512)
+        result.reads += 1
+        result.bytes += result.align
+    return True
 
 
 def _at_probe_concurrency(result: PathResult, step: Callable[[int], float | None]) -> None:
@@ -383,6 +427,8 @@ def _choice(mount: readpath.Mount, results: dict[str, PathResult], max_concurren
     latency = results["pread"].serial_latency_s
     choice = readpath.Choice(mount, "pread", "measured", asked=max_concurrency, latency_s=latency, probe_concurrency=c)
     for name, result in results.items():
+        if result.unavailable:
+            choice.unavailable[name] = result.unavailable
         rate = result.rule_rate
         if rate is not None:
             choice.rates[name] = rate
@@ -404,10 +450,12 @@ def _reason(choice: readpath.Choice) -> str:
     c = choice.probe_concurrency
     if not choice.capped():
         return f"preads reach {choice.ceilings['pread']:.0f} of {c} reads in flight: not capped"
-    if choice.path == "mmap":
-        return (f"preads capped at about {choice.ceilings['pread']:.0f} in flight; page faults make "
-                f"{choice.rates['mmap']:,.0f} reads/s against {choice.rates['pread']:,.0f}")
-    return f"preads capped at about {choice.ceilings['pread']:.0f} in flight, and page faults do no better"
+    capped = f"preads capped at about {choice.ceilings['pread']:.0f} in flight"
+    if choice.path != "pread":
+        return (f"{capped}; {readpath.PATH_WORDS[choice.path]} make {choice.rates[choice.path]:,.0f} reads/s "
+                f"against {choice.rates['pread']:,.0f}")
+    others = " nor ".join(readpath.PATH_WORDS[p] for p in choice.rates if p != "pread") or "nothing else"
+    return f"{capped}, and neither {others} do {readpath.MARGIN - 1:.0%} better"
 
 
 def _file_remedies(target: str, choice: readpath.Choice, want: int) -> list[str]:

@@ -1,5 +1,6 @@
-"""The two read paths for files, preads and page faults of a mapping, and the choice
-between them per mount by measurement (server/storage/readpath.py).
+"""The read paths for files, preads, page faults of a mapping and O_DIRECT reads, and the
+choice between them per mount by measurement (server/storage/readpath.py; O_DIRECT's own
+guarantees: tests/test_direct_reads.py).
 
 Real FUSE mounts (bench/latencyfs.py) count the requests each path issues and the
 threads that issued them; skipped, with the reason, where FUSE cannot be mounted.
@@ -95,7 +96,7 @@ def test_a_page_cached_local_file_keeps_preads_and_warns_of_no_cap(source: Path,
 
 @needs_fuse
 @needs_native
-@pytest.mark.parametrize("path", ["pread", "mmap"])
+@pytest.mark.parametrize("path", readpath.READ_PATHS)
 def test_each_read_path_issues_one_page_request_per_row_counted_by_the_storage_and_the_store(source: Path, path: str) -> None:
     pages = random.Random(5).sample(range(FILE_BYTES // PAGE), 200)
     data = (source / "data.bin").read_bytes()
@@ -110,8 +111,9 @@ def test_each_read_path_issues_one_page_request_per_row_counted_by_the_storage_a
         finally:
             store.close()
     assert parts == [data[p * PAGE + 100 : p * PAGE + 1100] for p in pages]
-    assert store.path_reads == {"pread": 200 if path == "pread" else 0, "mmap": 200 if path == "mmap" else 0}
-    # One 4 KiB request per row on either path: no read-ahead, nothing read twice.
+    assert store.path_reads == {p: 200 if p == path else 0 for p in readpath.READ_PATHS}
+    # One request of at most 4 KiB per row on every path: no read-ahead, nothing read twice
+    # (O_DIRECT on FUSE: the row's own 1,000 bytes, tests/test_direct_reads.py).
     assert stats["requests"] == 200 and stats["request_sizes"]["le_4k"] == 200, stats
     assert store.read_paths()[0].path == path and store.read_paths()[0].reason.startswith("forced")
 
@@ -143,13 +145,16 @@ def _text_table(path: Path, rows: int, row_bytes: int = 3000) -> None:
 
 
 @needs_native
-def test_a_file_truncated_under_its_mapping_is_data_loss_naming_the_file_and_the_server_lives(serve_process, tmp_path: Path) -> None:
+@pytest.mark.parametrize("path", ["mmap", "direct"])
+def test_a_file_truncated_under_its_mapping_or_a_direct_read_is_data_loss_naming_the_file_and_the_server_lives(serve_process, tmp_path: Path, path: str) -> None:
+    # mmap: the copying thread faults past the new end (SIGBUS, caught); direct: the
+    # O_DIRECT read ends short. Either way the row is truncated, as with a pread.
     root = tmp_path / "data"
     (root / "cut").mkdir(parents=True)
     (root / "kept").mkdir()
     _text_table(root / "cut" / "t.arrow", 10000)
     _text_table(root / "kept" / "t.arrow", 200)
-    srv = serve_process(["--data-root", str(root), "--metrics-port", "0"], env={readpath.ENV: "mmap"})
+    srv = serve_process(["--data-root", str(root), "--metrics-port", "0"], env={readpath.ENV: path})
 
     def loader(name: str) -> Loader:
         return Loader(name, servers=srv.address, batch_size=50, retry=RetryPolicy(max_retries=0))
@@ -168,9 +173,9 @@ def test_a_file_truncated_under_its_mapping_is_data_loss_naming_the_file_and_the
     import urllib.request
 
     text = urllib.request.urlopen(f"http://127.0.0.1:{srv.metrics_port}/metrics").read().decode()
-    mapped = [ln for ln in text.splitlines() if ln.startswith('croupier_storage_path_reads_total{path="mmap"}')]
-    assert mapped and float(mapped[0].split()[-1]) > 0, text  # the reads went through the mapping
-    assert 'croupier_storage_read_path{fs_type=' in text and 'path="mmap"' in text
+    used = [ln for ln in text.splitlines() if ln.startswith(f'croupier_storage_path_reads_total{{path="{path}"}}')]
+    assert used and float(used[0].split()[-1]) > 0, text  # the reads went by that path
+    assert 'croupier_storage_read_path{fs_type=' in text and f'path="{path}"' in text
 
 
 FORMATS = {
@@ -183,9 +188,10 @@ FORMATS = {
 
 
 @needs_native
+@pytest.mark.parametrize("path", ["mmap", "direct"])
 @pytest.mark.parametrize("kind", list(FORMATS))
-def test_every_format_delivers_each_sample_exactly_once_per_epoch_on_the_mapped_path(serve_inprocess, tmp_path: Path, monkeypatch, kind: str) -> None:
-    monkeypatch.setenv(readpath.ENV, "mmap")
+def test_every_format_delivers_each_sample_exactly_once_per_epoch_on_the_mapped_and_direct_paths(serve_inprocess, tmp_path: Path, monkeypatch, kind: str, path: str) -> None:
+    monkeypatch.setenv(readpath.ENV, path)
     root = tmp_path / "data"
     (root / kind).mkdir(parents=True)
     FORMATS[kind](root / kind)
@@ -200,4 +206,4 @@ def test_every_format_delivers_each_sample_exactly_once_per_epoch_on_the_mapped_
             seen.extend(int(i) for b in loader.batches() for i in b.indices)
         assert sorted(seen) == list(range(n)), (kind, epoch)
     [reader] = [r for r in srv.running.catalog.readers()]
-    assert reader.store.path_reads["mmap"] > 0 and reader.store.path_reads["pread"] == 0, reader.store.path_reads
+    assert reader.store.path_reads[path] > 0 and reader.store.path_reads["pread"] == 0, reader.store.path_reads

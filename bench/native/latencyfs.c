@@ -67,13 +67,14 @@ static struct {
 	unsigned max_threads;
 	unsigned max_background;
 	int kernel_background; /* --max-background 0: leave the kernel's default (12) */
+	int sync_dio; /* --sync-dio: O_DIRECT reads as synchronous requests (no FUSE_CAP_ASYNC_DIO) */
 	double timeout_s; /* entry/attr cache timeout (the source is static) */
 	unsigned max_read; /* the -o max_read=N mount option, echoed to conn->max_read */
 	struct timespec started;
 	/* what the kernel negotiated at init (for the stats) */
 	unsigned conn_max_read, conn_max_readahead, conn_max_background, conn_congestion;
 	unsigned conn_max_write, conn_proto_major, conn_proto_minor;
-	int conn_async_read;
+	int conn_async_read, conn_async_dio;
 } cfg = {
 	.root_fd = -1,
 	.median_ms = 5.0,
@@ -292,10 +293,11 @@ static char *stats_json(size_t *len)
 		dist_names[cfg.dist], cfg.median_ms, cfg.sigma, (unsigned long long)cfg.seed,
 		cfg.max_threads, cfg.max_background, cfg.timeout_s);
 	fprintf(f, "\"kernel\": {\"proto\": \"%u.%u\", \"max_read\": %u, \"max_readahead\": %u, "
-		   "\"max_background\": %u, \"congestion_threshold\": %u, \"max_write\": %u, \"async_read\": %s}, ",
+		   "\"max_background\": %u, \"congestion_threshold\": %u, \"max_write\": %u, \"async_read\": %s, "
+		   "\"async_dio\": %s}, ",
 		cfg.conn_proto_major, cfg.conn_proto_minor, cfg.conn_max_read, cfg.conn_max_readahead,
 		cfg.conn_max_background, cfg.conn_congestion, cfg.conn_max_write,
-		cfg.conn_async_read ? "true" : "false");
+		cfg.conn_async_read ? "true" : "false", cfg.conn_async_dio ? "true" : "false");
 	fprintf(f, "\"libfuse\": \"%s\", \"pid\": %d, \"uptime_s\": %.3f}\n",
 		fuse_pkgversion(), (int)getpid(), ns_since(&cfg.started) / 1e9);
 	fclose(f);
@@ -334,6 +336,12 @@ static void *lfs_init(struct fuse_conn_info *conn, struct fuse_config *fc)
 		conn->congestion_threshold = 0;
 	}
 
+	/* libfuse asks for async direct I/O by default: the kernel then sends an O_DIRECT
+	 * read as background requests, under max_background; --sync-dio turns it off (as
+	 * daemons that do not ask for it have it), so each is a synchronous request. */
+	if (cfg.sync_dio)
+		conn->want &= ~FUSE_CAP_ASYNC_DIO;
+
 	cfg.conn_max_read = conn->max_read;
 	cfg.conn_max_readahead = conn->max_readahead;
 	cfg.conn_max_background = conn->max_background;
@@ -342,6 +350,7 @@ static void *lfs_init(struct fuse_conn_info *conn, struct fuse_config *fc)
 	cfg.conn_proto_major = conn->proto_major;
 	cfg.conn_proto_minor = conn->proto_minor;
 	cfg.conn_async_read = !!(conn->want & FUSE_CAP_ASYNC_READ);
+	cfg.conn_async_dio = !!(conn->want & FUSE_CAP_ASYNC_DIO);
 	return NULL;
 }
 
@@ -571,6 +580,8 @@ static void usage(FILE *out, const char *prog)
 		"  --max-background N     kernel cap on background (readahead, buffered read)\n"
 		"                           requests (default = max threads, at most 65535;\n"
 		"                           0: keep the kernel's default, 12)\n"
+		"  --sync-dio             O_DIRECT reads as synchronous requests, outside\n"
+		"                           max_background (default: async, libfuse's choice)\n"
 		"  --timeout S            entry/attr cache timeout in seconds (default 60)\n"
 		"  --print-delays K       print the first K delays in ms, one a line, and exit\n"
 		"  --die-with-parent      get SIGTERM (so unmount) when the parent thread dies\n"
@@ -695,6 +706,8 @@ int main(int argc, char **argv)
 				return 2;
 			}
 			print_mode = 1;
+		} else if (strcmp(argv[i], "--sync-dio") == 0) {
+			cfg.sync_dio = 1;
 		} else if (strcmp(argv[i], "--die-with-parent") == 0) {
 			die_with_parent = 1;
 		} else if (strcmp(argv[i], "-o") == 0 && i + 1 < argc) {

@@ -8,11 +8,16 @@ a round trip of its own), marked POSIX_FADV_RANDOM so that a 1 KB row does not p
 128 KB of kernel read-ahead over the network; other files (images) are opened, read and
 closed by the thread that reads them.
 
-A pinned file is read one of two ways, chosen per mount (st_dev) by measurement when the
-mount's first file is pinned (readpath.py): preads, or copies out of a read-only mapping
+A pinned file is read one of three ways, chosen per mount (st_dev) by measurement when the
+mount's first file is pinned (readpath.py): preads, copies out of a read-only mapping
 of the file, whose page faults the pool's threads take (on a FUSE mount with the kernel's
-default cap on background requests, the only way past it). CROUPIER_READ_PATH or
-`read_path=` forces one. The Python pool reads with preads only.
+default cap on background requests, a way past it), or reads of the file opened a second
+time with O_DIRECT (past the cap where the FUSE daemon did not ask for async direct
+I/O; where the file system refuses O_DIRECT, preads, and the reason is logged).
+CROUPIER_READ_PATH or `read_path=` forces one. The Python pool reads with preads only.
+A measured mount is watched from the store's own counters (readpath.Watch): when its path
+completes far fewer reads at once than are asked of it, it is probed again (on a thread
+of its own, at most once per `revisit_interval_s`) and switched, with a log line.
 """
 
 from __future__ import annotations
@@ -20,9 +25,11 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+import math
 import os
 import stat
 import threading
+import time
 from collections.abc import Callable, Sequence
 
 from .base import FileEntry, Range, Store
@@ -165,6 +172,8 @@ class LocalStore(Store):
         pool: IOPool | None = None,
         native_pool: bool | None = None,
         read_path: str | None = None,
+        revisit_window_s: float = readpath.REVISIT_WINDOW_S,
+        revisit_interval_s: float = readpath.REVISIT_INTERVAL_S,
     ):
         super().__init__()
         #: "pread", "mmap" or "auto" (measure per mount); from CROUPIER_READ_PATH when None.
@@ -179,9 +188,18 @@ class LocalStore(Store):
         self._pins: dict[str, int] = {}  # path -> datasets that pinned it
         self._pin_lock = threading.Lock()
         self._maps: dict[str, object] = {}  # path -> native.Mapping, for mounts read by page faults
+        self._direct: dict[str, native.DirectFile] = {}  # path -> its O_DIRECT fd, for mounts read so
         self._mounts: dict[int, readpath.Choice] = {}  # st_dev -> its read path
         #: Reads issued by each path (counted on the event loop's thread).
-        self.path_reads = {"pread": 0, "mmap": 0}
+        self.path_reads = {"pread": 0, "mmap": 0, "direct": 0}
+        self._revisit = (revisit_window_s, revisit_interval_s)
+        self._dev_of: dict[str, int] = {}  # pinned path -> st_dev of its mount
+        self._watches: dict[int, readpath.Watch] = {}  # st_dev -> its watch, for measured mounts
+        self._retired: dict[str, list[int]] = {}  # path -> O_DIRECT fds a path change left, closed at unpin
+        #: (mount point, old path, new path) of each change made online, in order.
+        self.revisits: list[tuple[str, str, str]] = []
+        self._revisit_threads: list[threading.Thread] = []
+        self._probing: set[int] = set()  # mounts being probed again now (one probe at a time)
         _raise_open_files_limit()
 
     @property
@@ -202,15 +220,31 @@ class LocalStore(Store):
             try:
                 if hasattr(os, "posix_fadvise"):
                     os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
-                if self._mount_choice(fd).path == "mmap":
+                choice = self._mount_choice(fd, path)
+                if choice.path == "mmap":
                     self._maps[path] = native.Mapping(fd)
+                elif choice.path == "direct":
+                    self._open_direct(choice, path)
             except BaseException:
                 os.close(fd)
                 raise
             self._pinned[path] = fd
             self._pins[path] = 1
+            self._dev_of[path] = os.fstat(fd).st_dev
 
-    def _mount_choice(self, fd: int) -> readpath.Choice:
+    def _open_direct(self, choice: readpath.Choice, path: str) -> None:
+        """`path` opened a second time with O_DIRECT (its buffered fd stays for the rest);
+        where the file system refuses, the mount falls back to preads, said once."""
+        direct = readpath.open_direct(choice, path)
+        if direct is not None:
+            self._direct[path] = direct
+            return
+        why = choice.unavailable["direct"]
+        log.warning("storage: %s (%s): O_DIRECT reads are unavailable: %s; reading it by preads",
+                    choice.mount.point, choice.mount.fs_type, why)
+        choice.path, choice.reason = "pread", f"{choice.reason}; O_DIRECT unavailable ({why}): preads"
+
+    def _mount_choice(self, fd: int, path: str) -> readpath.Choice:
         """The read path of the mount `fd` lies on: measured once per mount (forced by
         read_path; preads only without the native pool)."""
         st = os.fstat(fd)
@@ -226,13 +260,96 @@ class LocalStore(Store):
             choice = readpath.Choice(mount, "pread", f"a local file system ({mount.fs_type}): no request cap",
                                      asked=self.io_threads)
         else:
-            measured = readpath.probe(fd, st.st_size, mount, self.io_threads)
+            measured = readpath.probe(fd, st.st_size, mount, self.io_threads, path=path)
             if measured is None:  # too small to measure: preads, and the next file tries again
                 return readpath.Choice(mount, "pread", "not measured yet", asked=self.io_threads)
             choice = measured
             readpath.report(choice)
+            self._watch(st.st_dev, choice)
         self._mounts[st.st_dev] = choice
         return choice
+
+    def _watch(self, dev: int, choice: readpath.Choice, last_probe: float = -math.inf) -> None:
+        """Watch a measured mount's reads (readpath.Watch)."""
+        window, interval = self._revisit
+        self._watches[dev] = readpath.Watch(choice.latency_s, time.monotonic(), window, interval, last_probe)
+
+    def _landed(self, path: str, watch: readpath.Watch, n: int) -> None:
+        """Reads on a watched mount landed (on the loop): probe it again when its watch says so."""
+        if not watch.finished(n, time.monotonic()):
+            return
+        dev = self._dev_of.get(path)
+        if dev is None or self._watches.get(dev) is not watch or dev in self._probing:
+            return  # unpinned, or being probed again
+        self._probing.add(dev)
+        t = threading.Thread(target=self._revisit_mount, args=(dev, path, watch), name="croupier-reprobe", daemon=True)
+        self._revisit_threads.append(t)
+        t.start()
+
+    def _revisit_mount(self, dev: int, path: str, watch: readpath.Watch) -> None:
+        """Probe mount `dev` again on pinned file `path` (off the loop), and switch its files
+        to the path measured now, with one log line when it changed."""
+        try:
+            self._probe_again(dev, path, watch)
+        finally:
+            self._probing.discard(dev)
+
+    def _probe_again(self, dev: int, path: str, watch: readpath.Watch) -> None:
+        with self._pin_lock:
+            fd = self._pinned.get(path)
+            fd = os.dup(fd) if fd is not None else None  # unpin may close the store's meanwhile
+        if fd is None:
+            return
+        try:
+            old = self._mounts[dev]
+            # the page cache must not answer the probe: drop the file's pages (re-read on demand)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            new = readpath.probe(fd, os.fstat(fd).st_size, old.mount, self.io_threads, path=path,
+                                 seed=time.monotonic_ns(), latency_s=old.latency_s)
+        except OSError as e:
+            log.warning("storage: probing %s again failed: %s", old.mount.point, e)
+            return
+        finally:
+            os.close(fd)
+        if new is None:
+            return
+        with self._pin_lock:
+            asked, achieved = watch.last_window or (0.0, 0.0)
+            if new.path != old.path:
+                self._switch(dev, new)
+                self.revisits.append((old.mount.point, old.path, new.path))
+                log.warning("storage: %s (%s): the read path changed from %s to %s: %.0f reads were asked at once "
+                            "but only about %.0f completed (Little's law over %.1f s); measured again: %s",
+                            old.mount.point, old.mount.fs_type, old.path, new.path, asked, achieved, watch.window_s,
+                            ", ".join(f"{p} {r:,.0f} reads/s" for p, r in new.rates.items()))
+                readpath.report(new)
+            self._mounts[dev] = new
+            self._watch(dev, new, last_probe=watch.last_probe)
+
+    def _switch(self, dev: int, new: readpath.Choice) -> None:
+        """Read mount `dev`'s pinned files by `new.path` (with _pin_lock held). The new path's
+        mapping or O_DIRECT fd is in place before the old one goes: a read in flight keeps
+        a mapping alive, and a replaced O_DIRECT fd stays open until its file is unpinned."""
+        for path, d in list(self._dev_of.items()):
+            if d != dev:
+                continue
+            if new.path == "mmap" and path not in self._maps:
+                self._maps[path] = native.Mapping(self._pinned[path])
+            elif new.path == "direct" and path not in self._direct:
+                direct = readpath.open_direct(new, path)
+                if direct is None:
+                    new.path = "pread"
+                else:
+                    self._direct[path] = direct
+            if new.path != "mmap" and path in self._maps:
+                self._maps.pop(path).close()  # type: ignore[attr-defined]
+            if new.path != "direct" and path in self._direct:
+                self._retired.setdefault(path, []).append(self._direct.pop(path).fd)
+
+    def join_revisits(self, timeout: float | None = None) -> None:
+        """Wait for the mounts being probed again (tests, shutdown)."""
+        for t in list(self._revisit_threads):
+            t.join(timeout)
 
     def read_paths(self) -> list[readpath.Choice]:
         """Each mount's read path and its measurement (for metrics and `probe`)."""
@@ -261,6 +378,12 @@ class LocalStore(Store):
                 mapping = self._maps.pop(path, None)
                 if mapping is not None:
                     mapping.close()  # type: ignore[attr-defined]  # unmapped once reads in flight land
+                direct = self._direct.pop(path, None)
+                if direct is not None:
+                    os.close(direct.fd)
+                for old in self._retired.pop(path, []):
+                    os.close(old)
+                self._dev_of.pop(path, None)
                 os.close(self._pinned.pop(path))
 
     def url(self, path: str) -> str:
@@ -318,11 +441,23 @@ class LocalStore(Store):
         return self._pread(path, offset, size)
 
     def _native_read(self, path: str, offset: int, size: int) -> "asyncio.Future[bytes]":
+        fut = self._native_read_by_path(path, offset, size)
+        watch = self._watches.get(self._dev_of.get(path, -1)) if self._watches else None
+        if watch is not None:
+            watch.started(1, time.monotonic())
+            fut.add_done_callback(lambda _f: self._landed(path, watch, 1))
+        return fut
+
+    def _native_read_by_path(self, path: str, offset: int, size: int) -> "asyncio.Future[bytes]":
         assert self.native is not None
         mapping = self._maps.get(path)
         if mapping is not None:
             self.path_reads["mmap"] += 1
             return self.native.map_read(mapping, offset, size)
+        direct = self._direct.get(path)
+        if direct is not None:
+            self.path_reads["direct"] += 1
+            return self.native.direct_read(direct, offset, size)
         self.path_reads["pread"] += 1
         fd = self._pinned.get(path)
         if fd is not None:
@@ -347,15 +482,20 @@ class LocalStore(Store):
         n = len(ranges)
         stats = self.stats
         stats.started(n)
+        watch = self._watches.get(self._dev_of.get(path, -1)) if self._watches else None
+        if watch is not None:
+            watch.started(n, time.monotonic())
 
         def counted(parts: list[bytes] | None, err: BaseException | None) -> None:
             stats.finished(sum(map(len, parts)) if parts is not None else 0, n, ok=err is None)
+            if watch is not None:
+                self._landed(path, watch, n)
             callback(parts, err)
 
         if self.native is not None:
-            mapping = self._maps.get(path)
-            self.path_reads["pread" if mapping is None else "mmap"] += n
-            self.native.pread_ranges(self._pinned.get(path), path, ranges, counted, mapping)
+            mapping, direct = self._maps.get(path), self._direct.get(path)
+            self.path_reads["mmap" if mapping is not None else "direct" if direct is not None else "pread"] += n
+            self.native.pread_ranges(self._pinned.get(path), path, ranges, counted, mapping, direct)
             return True
 
         def landed(f: "asyncio.Future[list[bytes]]") -> None:
@@ -379,6 +519,15 @@ class LocalStore(Store):
             for mapping in self._maps.values():
                 mapping.close()  # type: ignore[attr-defined]
             self._maps.clear()
+            for direct in self._direct.values():
+                os.close(direct.fd)
+            self._direct.clear()
+            for fds in self._retired.values():
+                for old in fds:
+                    os.close(old)
+            self._retired.clear()
+            self._dev_of.clear()
+            self._watches.clear()
             for fd in self._pinned.values():
                 os.close(fd)
             self._pinned.clear()

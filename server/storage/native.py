@@ -5,23 +5,47 @@ completion; the native threads never take the GIL. Without the compiled extensio
 install without a C compiler) `available()` is False and the store uses the Python
 pool (iopool.py) instead, or when CROUPIER_READ_POOL=python asks for it.
 
-Two read paths on the same threads: a pread on an open file, or a copy out of a
+Three read paths on the same threads: a pread on an open file, a copy out of a
 read-only mapping of it (`Mapping`, `map_read`), whose page faults the thread takes
-(on FUSE a fault is a synchronous request, outside the mount's cap on background ones;
-readpath.py measures which path a mount wants).
+(on FUSE a fault is a synchronous request, outside the mount's cap on background ones),
+or a read of the file opened again with O_DIRECT (`open_direct`, `direct_read`: no page
+cache, one request of the asked size); readpath.py measures which path a mount wants.
 """
 
 from __future__ import annotations
 
 import asyncio
+import errno
 import os
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 try:
-    from ._preadpool import Mapping, Pool as _NativePool, measure
+    from ._preadpool import Mapping, Pool as _NativePool, direct_alignment, measure
 except ImportError:  # built without a compiler: the Python pool serves instead
-    _NativePool = Mapping = measure = None  # type: ignore[assignment,misc]
+    _NativePool = Mapping = measure = direct_alignment = None  # type: ignore[assignment,misc]
+
+
+class DirectFile(NamedTuple):
+    """A file opened with O_DIRECT, and the offset and size alignment it accepts (1: none)."""
+
+    fd: int
+    align: int
+
+
+def open_direct(path: str, align: int | None = None) -> DirectFile:
+    """`path` opened (again) with O_DIRECT. `align`: the mount's alignment when known, else
+    found by test reads (1, 512 or 4096). OSError where the file system refuses O_DIRECT
+    (EINVAL: ramfs, tmpfs before Linux 6.6, FUSE daemons that refuse it) or the extension
+    is not built."""
+    if direct_alignment is None or not hasattr(os, "O_DIRECT"):
+        raise OSError(errno.ENOTSUP, "O_DIRECT reads need croupier's native read pool on Linux")
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_DIRECT)
+    try:
+        return DirectFile(fd, align or direct_alignment(fd, os.fstat(fd).st_size))
+    except BaseException:
+        os.close(fd)
+        raise
 
 
 def roots_blob(roots: Sequence[str]) -> bytes:
@@ -81,6 +105,13 @@ class NativeReadPool:
         self._pool.submit_map(token, mapping, offset, size)
         return fut
 
+    def direct_read(self, direct: DirectFile, offset: int, size: int) -> asyncio.Future[bytes]:
+        """`size` bytes at `offset` of a file opened with O_DIRECT (the aligned range around
+        them read into an aligned buffer on a pool thread); fewer at the end of the file."""
+        token, fut = self._future()
+        self._pool.submit_direct(token, direct.fd, offset, size, direct.align)
+        return fut
+
     def pread_path(self, path: str, offset: int, size: int, roots: bytes | None = None) -> asyncio.Future[bytes]:
         """The same on `path`, opened and closed by the native thread (no fd kept). With
         `roots` (NUL-separated resolved folders), the file opened must lie in one of them,
@@ -99,9 +130,11 @@ class NativeReadPool:
         ranges: Sequence[tuple[int, int]],
         callback: Callable[[list[bytes] | None, OSError | None], None],
         mapping: Any = None,
+        direct: DirectFile | None = None,
     ) -> None:
-        """Read `ranges` of `mapping` when given (copies on the threads), else of `fd` (or
-        of `path`, opened per range when fd is None), all at once; `callback(parts, None)`
+        """Read `ranges` of `mapping` when given (copies on the threads), else of `direct`
+        (O_DIRECT), else of `fd` (or of `path`, opened per range when fd is None), all at
+        once; `callback(parts, None)`
         when the last lands, or `callback(None, error)` at the first failure, called on the
         loop. No future per range: the hot path's cheapest."""
         group = _Group(self._watch(), callback, len(ranges))
@@ -110,6 +143,8 @@ class NativeReadPool:
             self._futures[self._token] = (group, i)  # type: ignore[assignment]
             if mapping is not None:
                 self._pool.submit_map(self._token, mapping, offset, size)
+            elif direct is not None:
+                self._pool.submit_direct(self._token, direct.fd, offset, size, direct.align)
             elif fd is not None:
                 self._pool.submit(self._token, fd, offset, size)
             else:

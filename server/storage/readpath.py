@@ -1,28 +1,36 @@
-"""Which read path a mount wants, by measurement: preads, or page faults of a mapping.
+"""Which read path a mount wants, by measurement: preads, O_DIRECT reads, or page faults
+of a mapping.
 
-Both run on the native pool's threads. They differ in how a read reaches the storage:
+All run on the native pool's threads. They differ in how a read reaches the storage:
 on FUSE a buffered pread (and its readahead) is a *background* request, and the kernel
 caps those per mount (`max_background`, default 12, congestion at 9), however many
-threads wait; a page fault of a mapping is a synchronous request, outside that cap.
+threads wait; a page fault of a mapping is a synchronous request, outside that cap; an
+O_DIRECT read is one request of the size asked, background (capped) when the daemon
+negotiated async direct I/O (libfuse's default), synchronous (uncapped) when it did not.
 Measured through latencyfs at 5 ms, 256 reads in flight (server/storage/README.md,
-"Two read paths"; bench/results/readpaths.md):
+"Three read paths"; bench/results/readpaths.md):
 kernel-default mount, preads 2,104 reads/s (12 in flight at the daemon), page faults
-26,925; raised mount, 26,371 and 31,184.
+26,925, O_DIRECT 2,096 (12 in flight) or, without async direct I/O, 19,073 (203);
+raised mount, 26,371 and 31,184 (O_DIRECT 26,020).
 
 The rule (Little's law): time a few reads one at a time (latency L0), then 4*C reads C
 at a time with preads (rate R). R*L0 is the concurrency the mount really gives preads.
 If it is at least half of C, preads stay (no cap worth avoiding); so they do when the
 probe kept half a core busy (CPU-bound, nothing capped), and on a local block or memory
-file system (ext4, xfs, tmpfs, overlay, ...), which is not probed at all. Otherwise page faults
-are timed the same way on other pages, and the mapping is used when it completes at
-least 25% more reads per second; a mount that caps both keeps preads. The probe reads
-pages of the first file pinned on the mount (about 0.1 s on a capped 5 ms mount, a few
-ms on a local disk), once per mount.
+file system (ext4, xfs, tmpfs, overlay, ...), which is not probed at all. Otherwise
+O_DIRECT reads (where the file system accepts them) and then page faults are timed the
+same way on other pages; a path replaces the best so far when it completes at least 25%
+more reads per second; a mount that caps them all keeps preads. The probe reads pages of
+the first file pinned on the mount (about 0.3 s on a capped 5 ms mount, a few ms on a
+local disk), once per mount, and again when the store's own counters show the chosen
+path completing far fewer reads at once than are asked of it (`Watch`).
 """
 
 from __future__ import annotations
 
+import errno
 import logging
+import math
 import os
 import random
 import time
@@ -32,8 +40,12 @@ from . import mounts, native
 
 log = logging.getLogger("croupier.storage")
 
-READ_PATHS = ("pread", "mmap")
-#: CROUPIER_READ_PATH=pread|mmap|auto forces a path for every mount (auto: measure).
+READ_PATHS = ("pread", "mmap", "direct")
+#: The order the rule tries the paths in: a later one must beat the best so far by
+#: MARGIN. O_DIRECT before the mapping: it keeps no page cache, reads only the bytes
+#: asked, and a file truncated under it is a plain short read.
+_RULE_ORDER = ("pread", "direct", "mmap")
+#: CROUPIER_READ_PATH=pread|mmap|direct|auto forces a path for every mount (auto: measure).
 ENV = "CROUPIER_READ_PATH"
 #: Reads in flight the probe asks for (enough to see a cap of 12 clearly).
 PROBE_CONCURRENCY = 64
@@ -48,8 +60,9 @@ _PAGE = 4096
 _UNCAPPED_SHARE = 0.5
 #: the probe's preads kept this much of a core busy: CPU-bound, not capped by the storage
 _CPU_BOUND_CORES = 0.5
-#: the mapping must beat preads by this factor to be chosen (probe noise, RSS it costs).
-_MAP_MARGIN = 1.25
+#: a path must beat the best so far by this factor to replace it (probe noise; the mapping
+#: also costs page cache and RSS).
+MARGIN = 1.25
 
 
 #: Block and memory file systems: a pread is served by the kernel itself, with no
@@ -64,7 +77,7 @@ def resolve(read_path: str | None) -> str:
     value = (read_path if read_path is not None else os.environ.get(ENV, "auto")).strip().lower()
     if value not in (*READ_PATHS, "auto"):
         where = "read_path" if read_path is not None else ENV
-        raise ValueError(f"{where}={value!r}: expected pread, mmap or auto")
+        raise ValueError(f"{where}={value!r}: expected pread, mmap, direct or auto")
     return value
 
 
@@ -127,7 +140,7 @@ class Choice:
     """A mount's read path and what measured it."""
 
     mount: Mount
-    path: str  # "pread" or "mmap"
+    path: str  # "pread", "mmap" or "direct"
     reason: str  # "measured", "forced by ...", "preads only ..."
     asked: int = 0  # reads in flight the store may ask for (its threads)
     latency_s: float = 0.0  # L0, one read at a time
@@ -135,6 +148,8 @@ class Choice:
     ceilings: dict[str, float] = field(default_factory=dict)  # path -> R * L0, reads in flight achieved
     cpu_cores: dict[str, float] = field(default_factory=dict)  # path -> the process's CPU seconds per second
     probe_concurrency: int = 0
+    unavailable: dict[str, str] = field(default_factory=dict)  # path -> why it cannot be used here
+    direct_align: int = 0  # offset and size alignment O_DIRECT reads need here (0: not known)
 
     @property
     def ceiling(self) -> float:
@@ -157,29 +172,43 @@ def _pages(size: int, count: int, seed: int) -> list[int] | None:
     return random.Random(seed).sample(range(pages), count)
 
 
-def probe(fd: int, file_size: int, mount: Mount, asked: int, concurrency: int = PROBE_CONCURRENCY) -> Choice | None:
-    """Measure preads, and page faults when preads look capped, on pages of open file
-    `fd` (blocking, about 0.2 s on a capped 5 ms mount). None when the file is too small
-    to probe (8*24 + 8 pages: about 800 KB) or the native pool is not built."""
+def probe(fd: int, file_size: int, mount: Mount, asked: int, concurrency: int = PROBE_CONCURRENCY,
+          path: str | None = None, seed: int | None = None, latency_s: float | None = None) -> Choice | None:
+    """Measure preads and, when they look capped, O_DIRECT reads (of `path` opened again,
+    when given) and page faults, on pages of open file `fd` (blocking, about 0.3 s on a
+    capped 5 ms mount). None when the file is too small to probe (8 + 3*4*24 pages: about
+    1.2 MB) or the native pool is not built. `seed` draws the pages (default: the file's
+    size); a probe again draws others, which the page cache does not hold. `latency_s`: L0
+    of an earlier probe, kept when less (a probe beside the store's own reads may queue
+    behind them)."""
     if native.measure is None or native.Mapping is None:
         return None
     # C as asked, fewer on a small file, never so few that a cap of 12 would not show
-    c = max(1, min(concurrency, asked, (file_size // _PAGE - _SERIAL_READS) // (2 * _ROUNDS)))
+    c = max(1, min(concurrency, asked, (file_size // _PAGE - _SERIAL_READS) // (3 * _ROUNDS)))
     if c < min(_MIN_CONCURRENCY, asked):
         return None
-    pages = _pages(file_size, _SERIAL_READS + 2 * _ROUNDS * c, seed=file_size)
+    pages = _pages(file_size, _SERIAL_READS + 3 * _ROUNDS * c, seed=file_size if seed is None else seed)
     if pages is None:
         return None
     offsets = [p * _PAGE + 64 for p in pages]
     n = _ROUNDS * c
-    serial, pread_set, map_set = offsets[:_SERIAL_READS], offsets[_SERIAL_READS:_SERIAL_READS + n], offsets[_SERIAL_READS + n:]
+    serial = offsets[:_SERIAL_READS]
+    pread_set, direct_set, map_set = (offsets[_SERIAL_READS + i * n:_SERIAL_READS + (i + 1) * n] for i in range(3))
     secs, errors, *_ = native.measure(fd, None, serial, _READ_BYTES, 1)
     if errors:
         return None
-    choice = Choice(mount, "pread", "measured", asked=asked, latency_s=secs / len(serial), probe_concurrency=c)
+    l0 = secs / len(serial) if latency_s is None else min(latency_s, secs / len(serial))
+    choice = Choice(mount, "pread", "measured", asked=asked, latency_s=l0, probe_concurrency=c)
     _time(choice, "pread", fd, None, pread_set, c)
     if not choice.capped():
         return choice
+    if path is not None:
+        direct = open_direct(choice, path)
+        if direct is not None:
+            try:
+                _time(choice, "direct", direct.fd, None, direct_set, c, direct.align)
+            finally:
+                os.close(direct.fd)
     mapping = native.Mapping(fd)
     try:
         _time(choice, "mmap", fd, mapping, map_set, c)
@@ -189,29 +218,48 @@ def probe(fd: int, file_size: int, mount: Mount, asked: int, concurrency: int = 
     return choice
 
 
+def open_direct(choice: Choice, path: str) -> native.DirectFile | None:
+    """`path` opened with O_DIRECT at the mount's alignment (found, and kept in `choice`, on
+    its first file); None, the reason kept in `choice.unavailable`, where it is refused."""
+    try:
+        direct = native.open_direct(path, choice.direct_align or None)
+    except OSError as e:
+        why = "the file system refuses O_DIRECT" if e.errno == errno.EINVAL else "O_DIRECT open failed"
+        choice.unavailable["direct"] = f"{why} ({choice.mount.fs_type}: {e.strerror or e})"
+        return None
+    choice.direct_align = direct.align
+    return direct
+
+
 def decide(choice: Choice) -> str:
-    """The rule, on a Choice whose preads (and, when capped, page faults) were timed at
-    `probe_concurrency`: preads unless they are capped and the mapping beats them by
-    `_MAP_MARGIN` (`croupier probe` applies it to its own measurements)."""
-    if not choice.capped() or "mmap" not in choice.rates:
+    """The rule, on a Choice whose preads (and, when capped, the other paths) were timed at
+    `probe_concurrency`: preads unless they are capped; then each path in _RULE_ORDER that
+    was timed replaces the best so far when it completes `MARGIN` times its reads per
+    second (`croupier probe` applies it to its own measurements)."""
+    if not choice.capped():
         return "pread"
-    return "mmap" if choice.rates["mmap"] >= _MAP_MARGIN * choice.rates["pread"] else "pread"
+    best = "pread"
+    for path in _RULE_ORDER[1:]:
+        if path in choice.rates and choice.rates[path] >= MARGIN * choice.rates[best]:
+            best = path
+    return best
 
 
-def timed_rate(fd: int, mapping, offsets: list[int], size: int, c: int) -> tuple[float, float]:
-    """Reads/s of `size` bytes at `offsets` (preads, or page faults of `mapping`), `c` at a
-    time on native threads, in the steady state: those done by the time the last one
-    started, over that time (the slowest few reads' tail left out); and the process's CPU
-    seconds per second meanwhile."""
+def timed_rate(fd: int, mapping, offsets: list[int], size: int, c: int, align: int = 0) -> tuple[float, float]:
+    """Reads/s of `size` bytes at `offsets` (preads, page faults of `mapping`, or with
+    `align` > 0 O_DIRECT reads of `fd` at that alignment), `c` at a time on native
+    threads, in the steady state: those done by the time the last one started, over that
+    time (the slowest few reads' tail left out); and the process's CPU seconds per second
+    meanwhile."""
     cpu0 = time.process_time()
-    secs, _, _, dry_secs, dry_done = native.measure(fd, mapping, offsets, size, c)
+    secs, _, _, dry_secs, dry_done = native.measure(fd, mapping, offsets, size, c, align)
     cores = (time.process_time() - cpu0) / max(secs, 1e-9)
     rate = dry_done / dry_secs if dry_done >= c and dry_secs > 0 else len(offsets) / max(secs, 1e-9)
     return rate, cores
 
 
-def _time(choice: Choice, path: str, fd: int, mapping, offsets: list[int], c: int) -> None:
-    rate, choice.cpu_cores[path] = timed_rate(fd, mapping, offsets, _READ_BYTES, c)
+def _time(choice: Choice, path: str, fd: int, mapping, offsets: list[int], c: int, align: int = 0) -> None:
+    rate, choice.cpu_cores[path] = timed_rate(fd, mapping, offsets, _READ_BYTES, c, align)
     choice.rates[path] = rate
     choice.ceilings[path] = min(float(c), rate * choice.latency_s)
 
@@ -232,9 +280,69 @@ def report(choice: Choice) -> None:
     limits = m.fuse_limits()
     known = f" (the kernel says max_background={limits['max_background']})" if "max_background" in limits else ""
     rates = ", ".join(f"{p} {r:,.0f} reads/s" for p, r in choice.rates.items())
+    rates += "".join(f"; {p} unavailable: {why}" for p, why in choice.unavailable.items())
     log.warning(
         "storage: %s (%s) completes only about %.0f reads at once with preads%s, croupier asks for up to %d; "
         "measured at %.1f ms a read: %s; reading it by %s. To raise the cap: %s",
         m.point, m.fs_type, choice.ceilings["pread"], known, choice.asked, choice.latency_s * 1e3, rates,
-        "page faults of a mapping" if choice.path == "mmap" else "preads all the same", remedy(m, choice.asked),
+        PATH_WORDS[choice.path] if choice.path != "pread" else "preads all the same", remedy(m, choice.asked),
     )
+
+
+#: Each path in words, for log lines and `croupier probe`.
+PATH_WORDS = {"pread": "preads", "mmap": "page faults of a mapping", "direct": "O_DIRECT reads"}
+
+
+# ---- revisiting the choice online -------------------------------------------------------------
+
+#: A mount is watched over windows of this many seconds, and probed again at most once per
+#: REVISIT_INTERVAL_S (a probe is about 0.3 s of reads on a capped mount, off the loop).
+REVISIT_WINDOW_S = 2.0
+REVISIT_INTERVAL_S = 600.0
+
+
+class Watch:
+    """Little's law over a window, from the store's own counters, for one measured mount:
+    whether its chosen path now completes far fewer reads at once than are asked of it (a
+    FUSE mount's max_background lowered, say, since the probe).
+
+    asked: the mean reads in flight at the store on the mount over the window (the area
+    under in-flight, over time); achieved: the completions per second times the latency
+    the probe measured one read at a time (L0), the reads the storage completed at once.
+    Achieved under half of asked, with at least _MIN_CONCURRENCY asked: reads are queueing
+    behind a cap, so `finished` says to probe the mount again, at most once per
+    `interval_s`. A storage that merely got slower looks the same; the probe tells them
+    apart (it measures L0 again), and the interval bounds what it costs."""
+
+    __slots__ = ("latency_s", "window_s", "interval_s", "in_flight", "last_probe", "last_window",
+                 "_area", "_done", "_t0", "_t_last")
+
+    def __init__(self, latency_s: float, now: float, window_s: float = REVISIT_WINDOW_S,
+                 interval_s: float = REVISIT_INTERVAL_S, last_probe: float = -math.inf):
+        self.latency_s, self.window_s, self.interval_s = latency_s, window_s, interval_s
+        self.in_flight = 0
+        self.last_probe = last_probe  # when the watch last asked for a probe (the first probe is free)
+        self.last_window: tuple[float, float] | None = None  # (asked, achieved) of the last full window
+        self._area, self._done, self._t0, self._t_last = 0.0, 0, now, now
+
+    def started(self, n: int, now: float) -> None:
+        self._area += self.in_flight * (now - self._t_last)
+        self._t_last = now
+        self.in_flight += n
+
+    def finished(self, n: int, now: float) -> bool:
+        """`n` reads landed; True when the mount should be probed again (once per interval)."""
+        self._area += self.in_flight * (now - self._t_last)
+        self._t_last = now
+        self.in_flight -= n
+        self._done += n
+        span = now - self._t0
+        if span < self.window_s:
+            return False
+        asked, achieved = self._area / span, self._done / span * self.latency_s
+        self.last_window = (asked, achieved)
+        self._area, self._done, self._t0 = 0.0, 0, now
+        if asked < _MIN_CONCURRENCY or achieved >= _UNCAPPED_SHARE * asked or now - self.last_probe < self.interval_s:
+            return False
+        self.last_probe = now
+        return True
