@@ -118,6 +118,35 @@ def test_a_runner_killed_after_its_checkpoint_printed_exactly_those_batches(tmp_
     assert evs[-1]["path"].endswith(".rank1")
 
 
+def test_a_killed_rank_takes_its_workers_with_it_and_its_output_is_drained(tmp_path: Path) -> None:
+    """Grain's spawned workers outlive a SIGKILLed rank for seconds, holding its stdout: RankProc.wait kills
+    the rank's process group, so the workers die with it and the rank's lines are read to the end."""
+    import os
+    import time
+
+    from croupier.bench.peers.case import RankProc
+
+    script = tmp_path / "rank.py"
+    script.write_text(
+        "import json, os, signal, subprocess, sys\n"
+        "worker = subprocess.Popen(['sleep', '600'])  # inherits stdout, as a DataLoader worker does\n"
+        "print(json.dumps({'ev': 'worker', 'pid': worker.pid}), flush=True)\n"
+        "os.kill(os.getpid(), signal.SIGKILL)\n")
+    rank = RankProc(sys.executable, str(script), {}, dict(os.environ), tmp_path / "log")
+    try:
+        assert rank.wait(time.monotonic() + 60) == -9
+        assert not rank._reader.is_alive()  # the pipe reached its end: no process holds it any more
+        (worker,) = [e["pid"] for e in rank.events if e["ev"] == "worker"]
+        try:
+            with open(f"/proc/{worker}/stat") as f:
+                assert f.read().split(") ")[1][0] == "Z"  # killed, not yet reaped by its new parent
+        except FileNotFoundError:
+            pass  # killed and reaped
+    finally:
+        rank.kill()
+        rank.close()
+
+
 def test_a_runner_writes_with_its_peers_writer_and_one_without_a_writer_refuses(tmp_path: Path) -> None:
     """The runners' command line (_common.command_line): `write ARGS` prints what the writer wrote as one
     JSON line; a system that reads the benchmark's own files has nothing to write (exit status 2)."""
@@ -374,3 +403,108 @@ def test_tf_data_service_reads_s3_through_tensorflow_io(tmp_path: Path) -> None:
     assert case["coverage"][0] == {"delivered": 640, "distinct": 640, "missed": 0, "repeats": 0}
     assert case["storage"]["requests"] > 0 and case["storage"]["bytes"] >= rep["written"]["tfdata text"]["bytes"]
     assert any("tensorflow-io" in n for n in case["notes"])
+
+
+# ---- Lance, dataloader-rs, Grain + ArrayRecord (issue 21, item 6) ---------------------------------------
+
+def test_lance_grain_and_dataloader_rs_are_wired_into_the_matrix() -> None:
+    from croupier.bench.peers import report, suite, venvs
+
+    full = suite.full()
+    assert {"lance", "dataloader-rs", "grain"} <= set(full.systems)
+    planned = {(c.key, ds, s, v) for c, ds, s, v in suite.planned(full)}
+    for key in ("fuse", "s3"):  # Lance reads S3 natively (object_store): both storages, both of its loaders
+        assert {(key, ds, "lance", v) for ds in ("text", "image") for v in ("default", "loader")} <= planned
+    assert ("fuse", "text", "grain", "resume") in planned  # Grain's exact checkpoints are checked
+    assert suite.not_run("grain", "s3", "image") and suite.not_run("grain", "fuse", "text") == ""
+    assert suite.not_run("dataloader-rs", "s3", "text") and suite.not_run("dataloader-rs", "s3", "image") == ""
+    assert "dataloader-rs" in suite.OWN_FILES  # the files the DataLoader baseline reads, no writer of its own
+    assert {"lance", "dataloader-rs", "grain"} <= set(suite.needed_venvs(full))
+    assert venvs.PEERS["lance"].requirements[0] == "pylance==14.0.2" and venvs.PEERS["lance"].needs_torch
+    assert not venvs.PEERS["grain"].needs_torch
+    assert {"grain==0.2.18", "array-record==0.8.6"} <= set(venvs.PEERS["grain"].requirements)
+    assert venvs.PEERS["dataloader-rs"].requires_python == (3, 13)
+    assert report.VARIANT_NAMES["loader"] and "lance" in report.NO_RESUME
+
+
+def test_a_peer_that_needs_a_newer_python_is_recorded_and_no_venv_is_made(tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    from croupier.bench.peers import venvs
+
+    monkeypatch.setattr(venvs, "ROOT", tmp_path)
+    env = venvs.PeerEnv("future-peer", ("future-peer==1.0",), requires_python=(99, 0))
+    monkeypatch.setitem(venvs.PEERS, env.name, env)
+    with pytest.raises(venvs.VenvError, match=r"future-peer==1.0 requires Python >= 99.0 \(its Requires-Python\); "
+                                              r"this machine's python is 3\."):
+        venvs.ensure(env, say=lambda s: None)
+    assert not env.path.exists()  # nothing installed, not even torch
+    assert "requires Python >= 99.0" in venvs.status(env.name)
+    assert venvs._python_too_old(venvs.PeerEnv("old-enough", ("x",), requires_python=(3, 0))) == ""
+
+
+def test_the_shared_memory_a_killed_peer_leaves_is_removed_but_not_what_a_live_process_maps(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Grain's spawned workers, SIGKILLed with the rank in the resume case, leave their psm_ segments and
+    sem.mp- semaphores in /dev/shm; the harness removes those the case made, unless a process still maps one."""
+    import os
+
+    from croupier.bench.peers import suite
+
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    names = ["psm_0a1b2c3d", "sem.mp-x1y2z3", "psm_ffff0000", "other_file", "psm_old00001"]
+    for n in names:
+        (shm / n).write_bytes(b"")
+    real_listdir, real_unlink = os.listdir, os.unlink
+    monkeypatch.setattr(suite.os, "listdir", lambda p: real_listdir(shm) if p == "/dev/shm" else real_listdir(p))
+    monkeypatch.setattr(suite.os, "unlink", lambda p: real_unlink(str(p).replace("/dev/shm", str(shm))))
+    monkeypatch.setattr(suite, "_mapped_shm", lambda: {"psm_ffff0000"})
+    rec = {"problems": []}
+    suite._shm_cleanup(rec, "grain", before={"psm_old00001"})
+    assert sorted(real_listdir(shm)) == ["other_file", "psm_ffff0000", "psm_old00001"] and rec["problems"] == []
+    suite._shm_cleanup(rec, "lance", before=set())  # a system that leaves none: nothing touched
+    assert len(real_listdir(shm)) == 3
+
+
+def test_lance_and_grain_run_beside_each_other_on_the_latency_fs_and_lance_on_s3(tmp_path: Path) -> None:
+    from croupier.bench import latencyfs
+    from croupier.bench.peers import venvs
+
+    reasons = [f"{p}: {r}" for p in ("lance", "grain") if (r := venvs.status(p))]
+    if latencyfs.check_available():
+        reasons.append(f"latencyfs: {latencyfs.check_available()}")
+    if reasons:
+        pytest.skip(f"peer venvs or latencyfs not available ({'; '.join(reasons)}); "
+                    "`python -m croupier.bench.peers --systems lance,grain --text-rows 640 --images 64 --out /tmp/peers-new` "
+                    "makes the venvs")
+    from croupier.bench.datagen import DataSpec
+    from croupier.bench.peers.suite import PeersSuite, not_run, run_peers
+    from croupier.bench.real import latency_fs, s3
+
+    suite = PeersSuite(name="peers-lance-grain-test", data=DataSpec(text_rows=640, images=64, shard_size=64),
+                       systems=("lance", "grain"), conditions=(latency_fs(2.0), s3(5.0)), datasets=("text", "image"),
+                       epochs=2, workers=1, shards=10, variants=("default", "loader", "resume"), timeout_s=120)
+    rep = run_peers(suite, tmp_path / "out", tmp_path / "data", "pytest", say=lambda s: None)
+    assert rep["errors"] == []
+    by = {(c["system"], c["variant"], c["dataset"], c["condition"]["key"]): c for c in rep["cases"]}
+    want = {(s, v, ds, key) for ds in ("text", "image") for s, v, key in
+            (("lance", "default", "fuse"), ("lance", "loader", "fuse"), ("lance", "default", "s3"),
+             ("lance", "loader", "s3"), ("grain", "default", "fuse"), ("grain", "resume", "fuse"))}
+    assert set(by) == want
+    assert sorted(rep["skipped"]) == sorted(f"{ds} | S3 5 ms | Grain + ArrayRecord | {v}: {not_run('grain', 's3', ds)}"
+                                            for ds in ("text", "image") for v in ("default", "resume"))
+    for (system, variant, ds, key), c in by.items():
+        if variant == "resume":
+            continue
+        rows = 640 if ds == "text" else 64
+        assert [e["complete"] for e in c["epochs"]] == [True, True], (system, variant, ds, key)
+        for cov in c["coverage"]:  # every row once per epoch, all ranks together
+            assert cov == {"delivered": rows, "distinct": rows, "missed": 0, "repeats": 0}, (system, variant, ds, key)
+        assert c["storage"]["requests"] > 0, (system, variant, ds, key)  # read through the mount / from the bucket
+    for ds in ("text", "image"):
+        assert by[("grain", "resume", ds, "fuse")]["resume"]["exact"], ds  # Grain's exact checkpoints
+    assert rep["versions"]["lance"]["pylance"] == "14.0.2"
+    assert (rep["versions"]["grain"]["grain"], rep["versions"]["grain"]["array-record"]) == ("0.2.18", "0.8.6")
+    assert rep["written"]["lance text"]["shards"] == 10 and rep["written"]["grain image"]["shards"] == 10
+    md = (tmp_path / "out" / "peers-lance-grain-test.md").read_text()
+    assert "Grain + ArrayRecord" in md and "its torch loader" in md and "| Lance |" in md

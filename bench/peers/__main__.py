@@ -22,7 +22,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--text-rows", type=int, help="text rows instead of the suite's (e.g. 1280: the full matrix, tiny)")
     p.add_argument("--images", type=int, help="images instead of the suite's")
     p.add_argument("--systems", help="comma-separated subset of the suite's systems (croupier, mosaic, litdata, "
-                                     "tfdata, torchdata)")
+                                     "tfdata, torchdata, lance, dataloader-rs, grain)")
     args = p.parse_args(argv)
     suite = resized(quick() if args.quick else full(), args.text_rows, args.images)
     if args.systems:

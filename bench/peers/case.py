@@ -139,6 +139,12 @@ class RankProc:
             rc = self.proc.wait(max(0.1, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             return None
+        if rc < 0:  # killed (the resume case's SIGKILL): its workers go with it, as under a launcher. Grain's
+            # spawned workers outlive their rank for seconds, holding its stdout open: the reader would wait.
+            try:
+                os.killpg(self.proc.pid, 9)
+            except OSError:
+                pass  # none left
         self._reader.join(10)
         return rc
 

@@ -8,8 +8,11 @@ from typing import Any
 from ..reporting import header_lines, num
 
 #: What a resume cell says for a system that has no resume case (suite.VARIANTS gives it none).
-NO_RESUME = {"tfdata": "none: a tf.data service iterator cannot be checkpointed"}
-VARIANT_NAMES = {"default": "default", "strongest": "strongest shuffle", "cache10": "cache = 10% of data"}
+NO_RESUME = {"tfdata": "none: a tf.data service iterator cannot be checkpointed",
+             "lance": "none: Lance has no loader state (a take loop keeps its own position)",
+             "dataloader-rs": "none: PyDataloader has no state_dict"}
+VARIANT_NAMES = {"default": "default", "strongest": "strongest shuffle", "cache10": "cache = 10% of data",
+                 "loader": "its torch loader"}
 
 
 def _rejected_by(q: dict) -> str:
@@ -135,7 +138,8 @@ def plots(rep: dict[str, Any], out: Path, name: str) -> list[str]:
 
 def markdown(rep: dict[str, Any], made: list[str]) -> str:
     d = rep["data"]
-    out = [f"# croupier beside Mosaic Streaming, LitData, tf.data service, torchdata (`{rep['suite']}`)", ""]
+    out = [f"# croupier beside Mosaic Streaming, LitData, tf.data service, torchdata, Lance, dataloader-rs, Grain "
+           f"(`{rep['suite']}`)", ""]
     if rep["suite"] != "peers":  # the quick run, or the matrix on other (tiny) sizes
         out += [f"**Smoke figures on tiny data (`{rep['suite']}`), not the issue's results:** "
                 f"{d['text_rows']:,} text rows and {d['images']:,} images, on a shared, busy machine; they show that "
@@ -172,7 +176,8 @@ def markdown(rep: dict[str, Any], made: list[str]) -> str:
         out += ["## The goal: croupier's throughput against the peers'", "",
                 "Epoch rates; 'uniform peers' are the peer rows whose delivered order passed the uniformity tests "
                 "(equal shuffle quality), 'any peer' the fastest row whatever its quality, '10% cache' the peers "
-                "with their cache limited (croupier's row is its default: it keeps no local cache).", "", gt, ""]
+                "with their cache limited (croupier's row is its default: it keeps no local cache), 'Lance' Lance's "
+                "fastest row (its take of a global permutation, or its torch loader).", "", gt, ""]
     out += ["## Reading", "", reading(rep), ""]
     notes = sorted({f"{r['label']}: {n}" for r in rep["cases"] for n in r.get("notes", [])})
     if notes:
@@ -193,8 +198,8 @@ def _rows(rep: dict[str, Any], cond: str, ds: str) -> list[dict[str, Any]]:
 def goal(rep: dict[str, Any]) -> list[dict[str, Any]]:
     """The issue's goal as numbers, per storage and dataset: croupier's epoch rates against every
     peer row whose delivered order passed the uniformity tests (equal quality), against the
-    best peer row whatever its quality, and in the 10% cache condition (croupier's row there is
-    its default: it keeps no cache)."""
+    best peer row whatever its quality, in the 10% cache condition (croupier's row there is
+    its default: it keeps no cache), and against Lance's best row (issue 21)."""
     out = []
     for cond in dict.fromkeys(r["condition"]["name"] for r in rep["cases"]):
         for ds in ("text", "image"):
@@ -209,7 +214,9 @@ def goal(rep: dict[str, Any]) -> list[dict[str, Any]]:
                 peers = [r for r in rows if r["system"] != "croupier" and _rate(r, epoch)]
                 uniform = [r for r in peers if (r.get("quality") or {}).get("uniform")]
                 small = [r for r in peers if r["variant"] == "cache10"]
-                for kind, group in (("uniform peers", uniform), ("any peer", peers), ("10% cache", small)):
+                lance = [r for r in peers if r["system"] == "lance"]  # issue 21: at least Lance's, everywhere
+                for kind, group in (("uniform peers", uniform), ("any peer", peers), ("10% cache", small),
+                                    ("Lance", lance)):
                     if not group:
                         continue
                     best = max(group, key=lambda r: _rate(r, epoch))

@@ -1,5 +1,6 @@
-"""`croupier bench --suite peers`: croupier beside Mosaic Streaming, LitData, tf.data service and
-torchdata.nodes, on the same rows and the same really slow storage (issue 12).
+"""`croupier bench --suite peers`: croupier beside Mosaic Streaming, LitData, tf.data service,
+torchdata.nodes (issue 12), Lance, dataloader-rs and Grain with ArrayRecord (issue 21), on the same
+rows and the same really slow storage.
 
 What runs, per storage condition (the latency FS at 5 ms, the loopback S3 server at 20 ms), per
 dataset (text rows, JPEG images), per system, at `world` ranks and batch `batch`:
@@ -9,6 +10,8 @@ dataset (text rows, JPEG images), per system, at `world` ranks and batch `batch`
   peak local disk, peak RSS, the delivered order's shuffle quality;
 * strongest: the peer's best-quality shuffle (Mosaic `naive`, LitData's full shuffle, tf.data
   a shuffle buffer the size of the dataset); croupier and torchdata have one shuffle, global;
+* loader: a peer's own shuffled loader beside its default set-up: Lance's default is `take` of a
+  global permutation, its `loader` lance.torch.data's LanceDataset with ShardedBatchSampler;
 * cache10: the local cache limited to 10% of the dataset's bytes (Mosaic `cache_limit`,
   LitData `max_cache_size`): a dataset larger than the trainer's disk. croupier keeps no local
   cache, so its row there is its default run;
@@ -50,13 +53,16 @@ from .runners._common import Job
 
 #: Runner script per system (runners/), and the venv it runs in (None: croupier's own).
 SCRIPTS = {"croupier": "run_croupier.py", "mosaic": "run_mosaic.py", "litdata": "run_litdata.py",
-           "tfdata": "run_tfdata.py", "torchdata": "run_torchdata.py"}
+           "tfdata": "run_tfdata.py", "torchdata": "run_torchdata.py", "lance": "run_lance.py",
+           "dataloader-rs": "run_dataloader_rs.py", "grain": "run_grain.py"}
 LABELS = {"croupier": "croupier (unordered)", "mosaic": "Mosaic Streaming", "litdata": "LitData",
-          "tfdata": "tf.data service", "torchdata": "torchdata.nodes"}
+          "tfdata": "tf.data service", "torchdata": "torchdata.nodes", "lance": "Lance",
+          "dataloader-rs": "dataloader-rs", "grain": "Grain + ArrayRecord"}
 #: Variants each system has (croupier's cache10 is its default row: it caches nothing locally).
 VARIANTS = {"croupier": ("default", "resume"), "mosaic": ("default", "strongest", "cache10", "resume"),
             "litdata": ("default", "strongest", "cache10", "resume"), "tfdata": ("default", "strongest"),
-            "torchdata": ("default", "resume")}
+            "torchdata": ("default", "resume"), "lance": ("default", "loader"), "dataloader-rs": ("default",),
+            "grain": ("default", "resume")}
 SHUFFLE = {
     ("croupier", "default"): "global permutation per epoch (the plan), batches out of order",
     ("mosaic", "default"): "py1e (default): shuffle blocks of 262,144 samples per canonical node",
@@ -68,6 +74,13 @@ SHUFFLE = {
     ("tfdata", "strongest"): "files shuffled + a shuffle buffer the size of the dataset, on each service worker "
                              "(each shuffles only the files the dispatcher hands it)",
     ("torchdata", "default"): "DistributedSampler (global permutation) + ParallelMapper(in_order=False)",
+    ("lance", "default"): "take() of a global permutation per epoch (numpy, seeded per epoch), every world-th index "
+                          "to a rank, one take per batch, 32 in flight per rank",
+    ("lance", "loader"): "lance.torch.data.LanceDataset + ShardedBatchSampler(randomize=True): ranges of a batch's "
+                         "rows, every world-th to a rank, their order shuffled (the same order every epoch)",
+    ("dataloader-rs", "default"): "DistributedSampler (global permutation), items_in_parallel=16 per batch",
+    ("grain", "default"): "IndexSampler(shuffle=True): each rank's contiguous 1/world of the records, shuffled "
+                          "within it per epoch",
 }
 
 
@@ -87,6 +100,10 @@ def venv_of(system: str, storage: str) -> str:
 NOT_RUN = {
     ("torchdata", "s3", "text"): "rows of the Arrow files on S3 need ranged reads with an index; torchdata has "
                                  "no writer or index of its own (images on S3 are run: one GET per file)",
+    ("dataloader-rs", "s3", "text"): "as torchdata: no writer or index of its own for rows on S3 (images on S3 "
+                                     "are run: one GET per file)",
+    ("grain", "s3", "*"): "ArrayRecord's reader opens file paths and has no S3 client: a Grain user with data in "
+                          "a bucket mounts it (the FUSE conditions)",
 }
 
 
@@ -94,7 +111,8 @@ NOT_RUN = {
 class PeersSuite:
     name: str
     data: DataSpec
-    systems: tuple[str, ...] = ("croupier", "mosaic", "litdata", "tfdata", "torchdata")
+    systems: tuple[str, ...] = ("croupier", "mosaic", "litdata", "tfdata", "torchdata", "lance", "dataloader-rs",
+                                "grain")
     conditions: tuple[Condition, ...] = (latency_fs(5.0), s3(20.0))
     datasets: tuple[str, ...] = ("text", "image")
     world: int = 2
@@ -114,7 +132,8 @@ class PeersSuite:
     #: long, and reported as the rate of the part it ran (its later epochs are then not run).
     cache10_epoch_s: float = 60.0
     seed: int = 0
-    variants: tuple[str, ...] = ("default", "strongest", "cache10", "resume")
+    #: "loader": a peer's own shuffled loader beside its default set-up (Lance's lance.torch.data).
+    variants: tuple[str, ...] = ("default", "strongest", "cache10", "resume", "loader")
 
     def rows(self, ds: str) -> int:
         return self.data.text_rows if ds == "text" else self.data.images
@@ -216,7 +235,7 @@ class Ctx:
 
 
 #: Systems that read the benchmark's own files (the save_to_disk folder, the ImageFolder tree): no writer.
-OWN_FILES = ("croupier", "torchdata")
+OWN_FILES = ("croupier", "torchdata", "dataloader-rs")
 
 
 def _remote(st: Any, system: str, ds: str) -> str:
@@ -240,6 +259,11 @@ def _evict(st: Any, system: str, ds: str) -> None:
         st.fs.evict([Path(st.fs.path) / "peers" / f"{system}-{ds}"])
 
 
+def _shuffle_of(variant: str) -> str:
+    """The Job's `shuffle` for a variant: the peer's strongest shuffle, its own loader, or its default."""
+    return variant if variant in ("strongest", "loader") else "default"
+
+
 def image_ids(data: BenchData) -> list[int]:
     """croupier's ImageFolder index -> the image's id (its file name), in croupier's listing order."""
     from ..baselines import list_imagefolder
@@ -258,7 +282,7 @@ def run_system(ctx: Ctx, st: Any, system: str, ds: str, variant: str, n: int, ex
     rows = s.rows(ds)
     batches_per_rank = -(-rows // (s.batch * s.world))
     job = Job(system=system, dataset=ds, remote=_remote(st, system, ds), local=str(local), world=s.world,
-              batch=s.batch, epochs=epochs, workers=s.workers, shuffle="strongest" if variant == "strongest" else "default",
+              batch=s.batch, epochs=epochs, workers=s.workers, shuffle=_shuffle_of(variant),
               cache_limit=int(total_bytes * s.cache_fraction) if variant == "cache10" else 0,
               state_path=str(run_dir / "state.json"), seed=s.seed,
               max_epoch_s=s.cache10_epoch_s if variant == "cache10" else 0.0,
@@ -266,13 +290,13 @@ def run_system(ctx: Ctx, st: Any, system: str, ds: str, variant: str, n: int, ex
               master_port=free_port())
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONDONTWRITEBYTECODE": "1"}
     rec: dict[str, Any] = {"system": system, "label": LABELS[system], "dataset": ds, "variant": variant,
-                           "condition": asdict(st.condition), "shuffle": SHUFFLE.get((system, "strongest" if variant == "strongest" else "default"), ""),
+                           "condition": asdict(st.condition), "shuffle": SHUFFLE.get((system, _shuffle_of(variant)), ""),
                            "cache_limit_bytes": job.cache_limit, "dataset_bytes_on_storage": total_bytes,
                            "problems": []}
     server = None
     watch = Watcher([str(local)])
     t_case = time.perf_counter()
-    shm_before = _mosaic_shm()
+    shm_before = _shm()
     _evict(st, system, ds)
     st.reset()
     try:
@@ -301,8 +325,8 @@ def run_system(ctx: Ctx, st: Any, system: str, ds: str, variant: str, n: int, ex
                 states = [e for evs in before for e in evs if e["ev"] == "state"]
                 if len(states) != s.world:
                     rec["problems"].append(f"only {len(states)} of {s.world} ranks checkpointed before the kill")
-                if system == "mosaic":  # its docs: clean_stale_shared_memory() after a crash, before restarting
-                    _mosaic_cleanup(ctx, rec, shm_before)
+                # Mosaic's docs: clean_stale_shared_memory() after a crash, before restarting
+                _shm_cleanup(rec, system, shm_before)
                 jobs = [{**j, "kill_after": 0, "resume": True} for j in jobs]
                 after, problems = run_ranks(python, SCRIPTS[system], jobs, env, ctx.log, s.timeout_s, watch)
                 rec["problems"] += [f"resumed run: {p}" for p in problems]
@@ -339,8 +363,7 @@ def run_system(ctx: Ctx, st: Any, system: str, ds: str, variant: str, n: int, ex
     finally:
         if server is not None:
             server.stop()
-        if system == "mosaic":
-            _mosaic_cleanup(ctx, rec, shm_before)
+        _shm_cleanup(rec, system, shm_before)
         rec["peak_local_disk_mb"] = watch.peak_disk / 1e6
         rec["peak_rss_mb"] = watch.peak_rss
         rec["watch_samples"] = watch.samples
@@ -359,24 +382,48 @@ def _notes(ranks: list[list[dict[str, Any]]]) -> list[str]:
 
 #: The shared memory a Mosaic StreamingDataset makes, /dev/shm/<6-digit prefix>_<name>.
 _MOSAIC_SHM = re.compile(r"^\d{6}_(barrier|cache_usage|locals|next_epoch|shard_access_times|shard_states)$")
+#: What Python's multiprocessing leaves there when its processes are SIGKILLed (Grain's spawned workers:
+#: the shared memory of their batches, psm_<hex>, and their pool's named semaphores, sem.mp-<name>).
+_MP_SHM = re.compile(r"^(psm_[0-9a-f]+|sem\.mp-[\w-]+)$")
+#: Per system, the /dev/shm entries a case of it may leave behind after the kill of the resume case.
+_SHM_OF = {"mosaic": _MOSAIC_SHM, "grain": _MP_SHM}
 
 
-def _mosaic_shm() -> set[str]:
+def _shm() -> set[str]:
     try:
-        return {n for n in os.listdir("/dev/shm") if _MOSAIC_SHM.match(n)}
+        return set(os.listdir("/dev/shm"))
     except OSError:
         return set()
 
 
-def _mosaic_cleanup(ctx: Ctx, rec: dict[str, Any], before: set[str]) -> None:
-    """What Mosaic's clean_stale_shared_memory() does after a crash, for the entries this case made
-    (no process of the case is alive then): its own stops at the first prefix without a leak,
-    and leaves later prefixes behind."""
-    for name in sorted(_mosaic_shm() - before):
+def _mapped_shm() -> set[str]:
+    """/dev/shm entries some live process has mapped (another program's, or one still in use)."""
+    mapped: set[str] = set()
+    for pid in os.listdir("/proc"):
+        if pid.isdigit():
+            try:
+                with open(f"/proc/{pid}/maps") as f:
+                    mapped |= {line.rsplit("/dev/shm/", 1)[1].split()[0] for line in f if "/dev/shm/" in line}
+            except (OSError, IndexError):
+                continue
+    return mapped
+
+
+def _shm_cleanup(rec: dict[str, Any], system: str, before: set[str]) -> None:
+    """The entries this case made that a crash leaves (no process of the case is alive then): Mosaic's,
+    as its clean_stale_shared_memory() does after a crash (its own stops at the first prefix without a
+    leak, and leaves later prefixes behind); multiprocessing's that no live process maps."""
+    pattern = _SHM_OF.get(system)
+    if pattern is None:
+        return
+    left = {n for n in _shm() - before if pattern.match(n)}
+    if system != "mosaic":
+        left -= _mapped_shm()
+    for name in sorted(left):
         try:
             os.unlink(f"/dev/shm/{name}")
         except OSError as exc:
-            rec["problems"].append(f"Mosaic's shared memory {name} not removed: {exc}")
+            rec["problems"].append(f"{LABELS[system]}'s shared memory {name} not removed: {exc}")
 
 
 # ---- the suite --------------------------------------------------------------------------------

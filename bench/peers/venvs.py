@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import os
+import platform
 import subprocess
 import sys
 import time
@@ -39,6 +40,8 @@ class PeerEnv:
     needs_torch: bool = True
     #: Distributions whose versions the results record.
     key_packages: tuple[str, ...] = ()
+    #: The oldest Python the peer's releases install on (their Requires-Python), where it is above ours.
+    requires_python: tuple[int, int] = (3, 0)
 
     @property
     def path(self) -> Path:
@@ -68,6 +71,17 @@ PEERS: dict[str, PeerEnv] = {
                                        "tensorflow-io-gcs-filesystem", "numpy", "pillow")),
     "torchdata": PeerEnv("torchdata", ("torchdata==0.11.0", "numpy", "pillow", "pyarrow", "boto3"),
                          key_packages=("torchdata", "torch", "numpy", "pyarrow", "boto3", "pillow")),
+    # Lance: its writer, its native take, and lance.torch.data's loader (torch: the PyTorch user's venv).
+    "lance": PeerEnv("lance", ("pylance==14.0.2", "pillow"),
+                     key_packages=("pylance", "torch", "numpy", "pyarrow", "pillow")),
+    # dataloader-rs: every release on the package index says Requires-Python >=3.13 (its wheels are for
+    # 3.13 to 3.15): on a machine whose Python is older it is recorded as not installable.
+    "dataloader-rs": PeerEnv("dataloader-rs", ("dataloader-rs==0.2.0", "numpy", "pillow", "pyarrow", "boto3"),
+                             key_packages=("dataloader-rs", "torch", "numpy", "pyarrow", "boto3", "pillow"),
+                             requires_python=(3, 13)),
+    # Grain with ArrayRecord: the JAX world's loader; no torch, and no JAX needed to read (numpy batches).
+    "grain": PeerEnv("grain", ("grain==0.2.18", "array-record==0.8.6", "pillow"), needs_torch=False,
+                     key_packages=("grain", "array-record", "numpy", "pillow")),
 }
 
 
@@ -91,6 +105,9 @@ def ensure(env: PeerEnv, say=print, timeout: float = 1800) -> Path:
     stamp_file = env.path / "croupier-peer.json"
     if env.python.exists() and stamp_file.is_file() and stamp_file.read_text() == env.stamp():
         return env.python
+    too_old = _python_too_old(env)
+    if too_old:
+        raise VenvError(too_old)
     t0 = time.perf_counter()
     say(f"creating the {env.name} venv at {env.path} (pip, a few minutes the first time)")
     env.path.parent.mkdir(parents=True, exist_ok=True)
@@ -105,6 +122,16 @@ def ensure(env: PeerEnv, say=print, timeout: float = 1800) -> Path:
     stamp_file.write_text(env.stamp())
     say(f"  {env.name} venv ready in {time.perf_counter() - t0:.0f} s")
     return env.python
+
+
+def _python_too_old(env: PeerEnv) -> str:
+    """Why the peer cannot be installed with this machine's python ("" when it can): pip would only say
+    that no version matches."""
+    if sys.version_info[:2] >= env.requires_python:
+        return ""
+    want = ".".join(map(str, env.requires_python))
+    return (f"{', '.join(env.requirements[:1])} requires Python >= {want} (its Requires-Python); "
+            f"this machine's python is {platform.python_version()} ({sys.executable})")
 
 
 def versions(env: PeerEnv) -> dict[str, str]:
@@ -127,6 +154,9 @@ def status(name: str) -> str:
     """"" when the peer's venv is ready, else why not (for tests that skip)."""
     env = PEERS[name]
     stamp_file = env.path / "croupier-peer.json"
+    too_old = _python_too_old(env)
+    if too_old:
+        return too_old
     if not env.python.exists():
         return f"no venv at {env.path}"
     if not stamp_file.is_file() or stamp_file.read_text() != env.stamp():
