@@ -22,12 +22,13 @@ from grpc_reflection.v1alpha import reflection
 from croupier.v1 import croupier_pb2, croupier_pb2_grpc
 
 from croupier.server.access.auth import AuthInterceptor, TokenStore
+from croupier.server.cache.block_cache import open_cache
 from croupier.server.catalog import Catalog, one_line
 from croupier.server.config import ServerConfig
 from croupier.server.service.decode_guard import DecodeGuard
 from croupier.server.stream.tuner import Autotuner
 from croupier.server.access.limits import StreamAdmission
-from croupier.server.metrics import ServerMetrics
+from croupier.server.metrics import CacheCollector, ServerMetrics
 from croupier.server.metrics_http import basic_auth_credentials, serve_metrics
 from croupier.server.readers.base import DatasetError
 from croupier.server.access.redact import PathRedactor
@@ -94,6 +95,7 @@ def open_catalog(config: ServerConfig, executor: concurrent.futures.Executor, st
         storage_options=config.storage_options, follow_symlinks_outside_roots=config.follow_symlinks_outside_roots,
         verify_images=config.verify_images,
         max_path_datasets=config.max_path_datasets, path_idle_s=config.path_dataset_idle_s,
+        cache=open_cache(config.cache_memory, config.cache_dir, config.cache_size, config.cache_fill),
     )
     for spec in config.datasets:
         try:
@@ -213,6 +215,8 @@ async def start(config: ServerConfig) -> RunningServer:
     for reader in catalog.readers():
         metrics.storage.add(reader.store)  # object stores: one per bucket
     catalog.on_open = lambda reader: metrics.storage.add(reader.store)
+    if catalog.cache is not None:
+        metrics.registry.register(CacheCollector(catalog.cache, metrics))
     autotuner = None
     if config.autotune:
         autotuner = Autotuner(config.limits, max_reads=config.max_reads,

@@ -67,7 +67,10 @@ class Catalog:
         verify_images: bool = False,
         max_path_datasets: int = 0,
         path_idle_s: float = 0.0,
+        cache: Any = None,
     ):
+        #: The server's one BlockCache (server/cache), shared by every dataset; None: off.
+        self.cache = cache
         #: Object-store settings over the environment's (endpoint, region, keys...).
         self.storage_options = dict(storage_options or {})
         #: The file-system store every local dataset reads through (the server's I/O pool).
@@ -125,29 +128,54 @@ class Catalog:
         data roots when there are any, else to the dataset's own folder (a file's: its
         folder). None (the server's store as it is) when links may point anywhere."""
         if self.follow_symlinks_outside_roots:
-            return self.store
+            return self._cached(self.store, path, owns=False) if self.store is not None else None
         from croupier.server.readers.base import MemberOutsideRootsError
         from croupier.server.storage import default_local_store
         from croupier.server.storage.confined import ConfinedStore, dataset_roots
 
         inner = self.store if self.store is not None else default_local_store()
-        return ConfinedStore(inner, dataset_roots(path, self.data_roots), MemberOutsideRootsError)  # type: ignore[arg-type]
+        confined = ConfinedStore(inner, dataset_roots(path, self.data_roots), MemberOutsideRootsError)  # type: ignore[arg-type]
+        return self._cached(confined, path, owns=True)
+
+    def _cached(self, store: Store, path: str, owns: bool) -> Store:
+        """`store` read through the server's cache (wrapping the confined store: the cache
+        serves only files its checks let the dataset open)."""
+        if self.cache is None:
+            return store
+        from croupier.server.cache import CachedStore
+
+        return CachedStore(store, self.cache, os.path.basename(path.rstrip("/")), owns_inner=owns)
+
+    def _cached_objects(self, store: Store, path: str) -> Store:
+        """An object-store dataset's store read through the server's cache (objects keyed
+        by URL, size and ETag; `store` is shared by its bucket's datasets, never closed here)."""
+        from croupier.server.cache import CachedObjectStore
+
+        return CachedObjectStore(store, self.cache, path.rstrip("/").rsplit("/", 1)[-1])
 
     def _open_path(self, path: str, name: str | None) -> Reader:
         from croupier.server.readers import open_dataset, resolve_under_roots
 
         store = self.store
+        wrapped: list[Store] = []  # an object store's view through the cache, made at open
+
+        def through_cache(obj: Store) -> Store:
+            wrapped.append(self._cached_objects(obj, path))
+            return wrapped[-1]
+
         if not is_url(path):
             if self.data_roots:
                 path = str(resolve_under_roots(path, self.data_roots))
             store = self.confined_store(path.removeprefix("file://"))
         try:
             reader = open_dataset(
-                path, name=name, cache_dir=self.cache_dir, store=store, storage_options=self.storage_options or None
+                path, name=name, cache_dir=self.cache_dir, store=store, storage_options=self.storage_options or None,
+                wrap_object_store=through_cache if self.cache is not None else None,
             )
         except BaseException:
-            if store is not None and store is not self.store:
-                store.close()  # unpins what the failed open pinned
+            for s in [store, *wrapped]:
+                if s is not None and s is not self.store:
+                    s.close()  # unpins what the failed open pinned
             raise
         return self._wrap(reader)
 
@@ -313,6 +341,8 @@ class Catalog:
             reader.close()
         if self.store is not None:
             self.store.close()
+        if self.cache is not None:
+            self.cache.close()
 
 
 __all__ = ["Catalog", "DatasetUnavailableError", "UnknownDatasetError", "OutsideRootsError", "parse_dataset_spec"]

@@ -46,8 +46,17 @@ class ServerConfig:
     #: Decode every image on the server before sending it (Pillow, in the CPU pool); off,
     #: only the cheap structural check of images.py runs.
     verify_images: bool = False
-    #: Where indexes go when the data folder is read-only (tar offset indexes).
+    #: Where indexes go when the data folder is read-only (tar offset indexes), and the
+    #: cache's disk tier (its blocks/ folder) when cache_size is above 0.
     cache_dir: str | None = None
+    #: The cache's memory budget: bytes ("8G") or a share of the memory the process may use
+    #: ("25%": of min(RAM, the cgroup's memory.max)); "0" turns the cache off.
+    cache_memory: str = "25%"
+    #: The cache's disk tier bound ("100G"); "0": no disk tier.
+    cache_size: str = "0"
+    #: Fill the cache by large sequential reads: "auto" (where measured to pay; never on a
+    #: local file system, whose page cache is the cache), "always", "never".
+    cache_fill: str = "auto"
     #: Port of the Prometheus /metrics endpoint; -1 turns it off, 0 picks a free port.
     metrics_port: int = -1
     metrics_host: str = "127.0.0.1"
@@ -248,6 +257,19 @@ def layered_config(config_file: str | Path | None, environ: Mapping[str, str],
     return with_settings(config, {**env_settings(environ), **settings_from_flags(flags)})
 
 
+def _latency_spec(value: Any, source: str) -> LatencySpec:
+    """A config file's `latency:` mapping, its mistakes named (not a bare TypeError)."""
+    known = [f.name for f in dataclasses.fields(LatencySpec)]
+    if not isinstance(value, dict):
+        raise ValueError(f"{source}: latency must be a mapping of {known}, got {value!r}")
+    bad = sorted(set(value) - set(known))
+    if bad:
+        raise ValueError(f"{source}: unknown latency setting {bad[0]!r}; known: {known}")
+    if "median_ms" not in value:
+        raise ValueError(f"{source}: latency needs median_ms (the median injected delay per read, in ms)")
+    return LatencySpec(**value)
+
+
 def config_from_mapping(raw: dict[str, Any], source: str = "config") -> ServerConfig:
     """Build a ServerConfig from a mapping (a parsed YAML file) keyed by the table's YAML keys
     (serve_options.YAML_KEYS; "-" may stand for "_"); an unknown key is an error naming it."""
@@ -263,7 +285,7 @@ def config_from_mapping(raw: dict[str, Any], source: str = "config") -> ServerCo
         elif key == "limits":
             limits.update({k.replace("-", "_"): v for k, v in value.items()})
         elif key == "latency":
-            values["latency"] = None if value is None else LatencySpec(**value)
+            values["latency"] = None if value is None else _latency_spec(value, source)
         else:
             values[key] = tuple(value) if option.sequence else value
     bad = set(limits) - _LIMIT_FIELDS

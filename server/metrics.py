@@ -124,6 +124,44 @@ class StorageStats:
         yield from (path, ceiling, reads)
 
 
+class CacheCollector:
+    """The server cache's counters (server/cache): lookups served from it and from storage,
+    each tier's fills, residents and evictions, and storage bytes per delivered sample."""
+
+    def __init__(self, cache, metrics: "ServerMetrics") -> None:
+        self.cache, self.metrics = cache, metrics
+
+    def _samples(self) -> float:
+        return sum(s.value for m in self.metrics.samples.collect() for s in m.samples if s.name.endswith("_total"))
+
+    def collect(self):
+        c, st = self.cache, self.cache.stats
+        lookups = CounterMetricFamily("croupier_cache_lookups", "Range reads of cached files, by where they were served",
+                                      labels=["result"])
+        lookups.add_metric(["hit"], st.hits)
+        lookups.add_metric(["miss"], st.misses)
+        yield lookups
+        yield GaugeMetricFamily("croupier_cache_hit_ratio", "Share of range reads served from the cache", value=st.hit_ratio)
+        storage_bytes = sum(s.stats.bytes for s in self.metrics.storage.stores)
+        samples = self._samples()
+        yield GaugeMetricFamily("croupier_cache_storage_bytes_per_sample", "Bytes read from storage per sample delivered",
+                                value=storage_bytes / samples if samples else 0.0)
+        filled = CounterMetricFamily("croupier_cache_fill_bytes", "Bytes admitted to each cache tier", labels=["tier"])
+        resident = GaugeMetricFamily("croupier_cache_resident_bytes", "Bytes each cache tier holds", labels=["tier"])
+        evicted = CounterMetricFamily("croupier_cache_evictions", "Blocks each cache tier dropped", labels=["tier"])
+        tiers = [("memory", c.memory.filled, c.memory.resident, c.memory.evictions)]
+        if c.disk is not None:
+            tiers.append(("disk", c.disk.filled, c.disk.used, c.disk.evictions))
+        for tier, f, r, e in tiers:
+            filled.add_metric([tier], f)
+            resident.add_metric([tier], r)
+            evicted.add_metric([tier], e)
+        yield from (filled, resident, evicted)
+        corrupt = CounterMetricFamily("croupier_cache_corrupt_blocks", "Disk-tier blocks that failed their checksum")
+        corrupt.add_metric([], c.disk.corrupt if c.disk is not None else 0)
+        yield corrupt
+
+
 class ServerMetrics:
     def __init__(self, registry: CollectorRegistry | None = None):
         self.registry = registry or CollectorRegistry()

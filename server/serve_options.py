@@ -177,7 +177,16 @@ SERVE_OPTIONS: tuple[ServeOption, ...] = (
     ServeOption("data_roots", "--data-root", DATA, "folder clients may stream paths from (a relative path is looked "
                 "up under each in turn); dataset paths, and every file a dataset reads, must lie under one "
                 "(repeatable)", action="repeat", sequence=True),
-    ServeOption("cache_dir", "--cache-dir", DATA, "where tar offset indexes go when the data folder is read-only"),
+    ServeOption("cache_dir", "--cache-dir", DATA, "where tar offset indexes go when the data folder is read-only, "
+                "and the cache's disk tier (CACHE_DIR/blocks, with --cache-size)"),
+    ServeOption("cache_memory", "--cache-memory", DATA, "memory the cache of blocks of the datasets' files may "
+                "hold: bytes (8G) or a share of the memory the server may use, RAM or its cgroup's limit (default 25%%); "
+                "0 turns the cache off (server/cache/README.md)", metavar="SIZE|PCT"),
+    ServeOption("cache_size", "--cache-size", DATA, "bound of the cache's disk tier in --cache-dir (e.g. 100G; "
+                "default {default}: no disk tier)", metavar="SIZE"),
+    ServeOption("cache_fill", "--cache-fill", DATA, "fill the cache by large sequential reads: auto (where a "
+                "timed large read beats the small ones it replaces; never on a local file system, whose page cache "
+                "is the cache), always, never (default {default})", choices=("auto", "always", "never")),
     ServeOption("follow_symlinks_outside_roots", "--follow-symlinks-outside-roots", DATA, "let links inside a "
                 "dataset point outside its roots (default: refused; a dataset's roots are the --data-root folders, "
                 "or without any, the dataset's own folder)", action="switch"),
@@ -243,7 +252,8 @@ SERVE_OPTIONS: tuple[ServeOption, ...] = (
     _fair("max_path_datasets", "--max-path-datasets", "datasets opened by path kept open at once (least recently "
           "used unused ones close first)"),
     _fair("path_dataset_idle_s", "--path-dataset-idle", "seconds an unused dataset opened by path stays open"),
-    _fair("max_request_bytes", "--max-request-kb", "largest request message in KiB", unit=KIB),
+    _fair("max_request_bytes", "--max-request-kb", "largest request message in KiB; the one limit here that 0 "
+          "does not turn off (every request needs room): at least 1", unit=KIB),
     _fair("keepalive_time_s", "--keepalive-time", "seconds between the server's keepalive pings"),
     _fair("keepalive_timeout_s", "--keepalive-timeout", "seconds a ping may go unanswered before the connection "
           "drops"),

@@ -192,13 +192,16 @@ def test_limits_are_keys_at_the_top_level_or_under_limits_with_dashes_or_undersc
     ("port: 1\nmax_readz: 4\n", "unknown setting 'max_readz'; known: ["),
     ("limits: {chunk_sample: 4}\n", "unknown limit 'chunk_sample'; known: ["),
     ("latency_ms: 4\n", "unknown setting 'latency_ms'"),
+    ("latency: {median: 5}\n", "unknown latency setting 'median'; known: ['median_ms', 'distribution', 'sigma', 'seed', 'overrides']"),
+    ("latency: {sigma: 1}\n", "latency needs median_ms"),
+    ("latency: 5\n", "latency must be a mapping of ['median_ms'"),
 ])
 def test_an_unknown_config_key_is_refused_naming_it(text: str, message: str, tmp_path: Path, capsys) -> None:
     (tmp_path / "server.yaml").write_text(text)
     assert main(["serve", "--config", str(tmp_path / "server.yaml")]) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"croupier serve: {tmp_path / 'server.yaml'}: {message}"), err
-    if "setting" in message:
+    if "unknown setting" in message:
         assert str(sorted(YAML_KEYS)) in err  # the known keys are the table's
 
 

@@ -73,6 +73,9 @@ class ImageFolderReader(Reader):
                 f"ImageFolder {store.url(path)}: no image files ({', '.join(IMAGE_EXTENSIONS)}) in its class folders "
                 f"{self.classes[:10]}"
             )
+        plan = getattr(store, "plan_whole_files", None)  # the server's cache: what its fill reads, in order
+        if plan is not None:
+            plan([store.join(path, k) for k in self.keys])
 
     def __len__(self) -> int:
         return len(self.keys)
@@ -89,6 +92,11 @@ class ImageFolderReader(Reader):
         where = self.store.url(path)
         data = await read_bytes(self.store, path, index, where)
         return ImageItem(index, data, self.labels[index], checked_format(data, index, where), key, where)
+
+    def close(self) -> None:
+        forget = getattr(self.store, "forget_whole_files", None)  # the server's cache lets this dataset's images go
+        if forget is not None:
+            forget()
 
     def encode(self, items: Sequence[ImageItem], columns: Sequence[str] = (), decode_images: bool = False) -> ImagePayload:
         return image_payload(items, decode_images, self.verify_images)

@@ -104,13 +104,15 @@ def open_dataset(
     cache_dir: str | None = None,
     store: Store | None = None,
     storage_options: Mapping[str, Any] | None = None,
+    wrap_object_store: Callable[[Store], Store] | None = None,
 ) -> Reader:
     """A reader for the dataset at `path`; `format` (one of FORMATS) is detected when not given.
 
     `path` is a file-system path (read through `store`, by default the process's
     LocalStore) or an object-store URL such as s3://bucket/prefix, whose store is
     configured from the environment as the cloud SDKs are (AWS_ENDPOINT_URL,
-    AWS_ACCESS_KEY_ID, AWS_REGION...) and `storage_options` over it. Blocking (reads
+    AWS_ACCESS_KEY_ID, AWS_REGION...) and `storage_options` over it, read through
+    `wrap_object_store(store)` when given (the server's cache). Blocking (reads
     metadata, may scan tar shards): the server calls it in an executor.
     """
     location = os.fspath(path)
@@ -118,6 +120,8 @@ def open_dataset(
         from ..storage.urls import open_store
 
         store, key = open_store(location, options=storage_options)
+        if wrap_object_store is not None:
+            store = wrap_object_store(store)
     else:
         store = store if store is not None else default_local_store()
         key = os.path.abspath(location.removeprefix("file://"))

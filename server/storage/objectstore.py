@@ -378,6 +378,31 @@ class ObjectStore(Store):
         except Exception as e:
             raise self._missing(e, path, "get its size") from e
 
+    def version(self, path: str) -> tuple[int, str]:
+        """(size, ETag) of the object, by one HEAD: what the cache keys a version on."""
+        key = self._key(path)
+        try:
+            meta = obstore.head(self.client, key)
+        except Exception as e:
+            raise self._missing(e, path, "get its size") from e
+        return int(meta["size"]), str(meta.get("e_tag") or "")
+
+    async def get_with_etag(self, path: str, start: int, end: int) -> tuple[memoryview, str]:
+        """Bytes [start, end) and the ETag of the object that sent them, by one GET through
+        obstore (whose answer carries the headers): the cache's large fill reads, which
+        must tell an object rewritten since its dataset opened. Counted in `stats`."""
+        self.stats.started()
+        ok, data = False, memoryview(b"")
+        try:
+            result = await obstore.get_async(self.client, self._key(path), options={"range": (start, end)})
+            data = memoryview(await result.bytes_async())
+            ok = True
+            return data, str(result.meta.get("e_tag") or "")
+        except Exception as e:
+            raise self._error(e, path, "read it") from e
+        finally:
+            self.stats.finished(len(data), ok=ok)
+
     def is_file(self, path: str) -> bool:
         key = self._key(path)
         if not key:

@@ -1,0 +1,199 @@
+"""Fill: read a dataset's files into the cache by large sequential reads, in the
+background, where the storage rewards them.
+
+Per mount, once: a local block or memory file system is not filled (the kernel's page
+cache already is the cache; `fill: always` forces it). Elsewhere the first block is read
+and timed, and the fill goes on when that read took fewer seconds than the random reads it
+replaces: BLOCK_BYTES / REPLACED_READ_BYTES reads of L0 each, L0 being the small-read
+latency the read-path probe measured on that mount (storage/readpath.py), or 4 reads timed
+here when the probe did not run. Measured on latencyfs at 5 ms (kernel defaults): a 1 MiB
+block in 20 ms against 16 x 5.7 ms = 91 ms of small reads.
+
+Blocks are read FILL_IN_FLIGHT at a time on the cache's threads, file after file in the
+order the dataset opened them, through a descriptor of the fill's own (the dataset's
+pinned one is marked for random access, and a mapped mount's faults are one page each),
+opened by the dataset's confined store so the fill reads only what the dataset may. Reads
+go on meanwhile: a block in the cache is served from it, any other read goes to storage.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import os
+import random
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from ..storage.readpath import LOCAL_FILE_SYSTEMS, mount_of
+from .block_cache import FILL_IN_FLIGHT, BlockCache
+from .blocks import BLOCK_BYTES, FileKey
+
+log = logging.getLogger("croupier.server.cache")
+
+#: The rule counts one random read per this many bytes of a block: a sample of at most
+#: 64 KiB (a text row is far less, a JPEG about this), so a fill never wins on paper only.
+REPLACED_READ_BYTES = 64 << 10
+FILL_MODES = ("auto", "always", "never")
+
+
+@dataclass
+class FillFile:
+    path: str
+    key: FileKey
+
+
+@dataclass
+class FillSource:
+    """What a fill needs from a dataset's store: its files, a checked open, its counters,
+    the probe's small-read latency of a mount (0: not measured)."""
+
+    name: str
+    files: list[FillFile]
+    open_fd: Callable[[str], int]
+    stats: object  # storage.base.StoreStats
+    latency_of: Callable[[int], float]
+    closed: Callable[[], bool]
+
+
+def pays(block_s: float, l0_s: float, block_len: int = BLOCK_BYTES) -> bool:
+    """A block's sequential read costs fewer seconds than the random reads it replaces."""
+    return block_s < max(1, block_len // REPLACED_READ_BYTES) * l0_s
+
+
+def _pread(fd: int, offset: int, size: int) -> bytes:
+    parts, got = [], 0
+    while got < size:
+        chunk = os.pread(fd, size - got, offset + got)
+        if not chunk:
+            break
+        parts.append(chunk)
+        got += len(chunk)
+    return parts[0] if len(parts) == 1 else b"".join(parts)
+
+
+def _small_read_latency(fd: int, size: int) -> float:
+    """L0 where the probe did not run: 4 reads of 1 KiB one at a time, random pages."""
+    pages = max(1, size // 4096)
+    offsets = random.Random(size).sample(range(pages), min(4, pages))
+    t = time.perf_counter()
+    for p in offsets:
+        os.pread(fd, 1024, p * 4096)
+    return (time.perf_counter() - t) / len(offsets)
+
+
+class DatasetFill:
+    """One dataset's fill, run on a thread of its own (it waits on the cache's threads)."""
+
+    def __init__(self, cache: BlockCache, source: FillSource):
+        self.cache, self.source = cache, source
+        self.filled = 0
+        self.full = False
+        self.started_at = 0.0
+        self.thread = threading.Thread(target=self.run, name=f"croupier-fill-{source.name}", daemon=True)
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Wait for the fill to end; True when it has."""
+        self.thread.join(timeout)
+        return not self.thread.is_alive()
+
+    def run(self) -> None:
+        try:
+            for f in self.source.files:
+                if self.full or self.cache.closed or self.source.closed():
+                    break
+                self._fill_file(f)
+        except Exception as exc:  # a fill is an optimisation: reads go on without it
+            log.warning("cache: fill of dataset %s stopped: %s", self.source.name, exc)
+        if self.started_at:
+            secs = time.perf_counter() - self.started_at
+            log.info("cache: fill of dataset %s ended: %d bytes in %.2f s (%.1f MB/s)%s", self.source.name, self.filled,
+                     secs, self.filled / max(secs, 1e-9) / 1e6, "; the cache is full" if self.full else "")
+
+    def _decide(self, fd: int, f: FillFile, dev: int) -> bool | None:
+        """Whether fills pay on the mount of `fd`: known, decided here without reading, or
+        None when the first block must be read and timed (the caller does it)."""
+        mode = self.cache.sizes.fill
+        if mode != "auto":
+            return mode == "always"
+        mount = mount_of(dev)
+        if mount.fs_type in LOCAL_FILE_SYSTEMS:
+            log.info("cache: no fill on %s (%s): a local file system, the kernel's page cache serves its reads",
+                     mount.point, mount.fs_type)
+            return False
+        return None
+
+    def _fill_file(self, f: FillFile) -> None:
+        blocks = [b for b in range(f.key.blocks()) if not self.cache.cached(f.key, b)]
+        if not blocks:
+            return
+        fd = self.source.open_fd(f.path)
+        try:
+            dev = os.fstat(fd).st_dev
+            if hasattr(os, "posix_fadvise"):
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+            decision = self.cache.fill_pays.get(dev)
+            if decision is None:
+                decision = self._decide(fd, f, dev)
+            if decision is None:
+                decision = self._trial(fd, f, blocks.pop(0), dev)
+                self.cache.fill_pays[dev] = decision
+            elif dev not in self.cache.fill_pays:
+                self.cache.fill_pays[dev] = decision
+            if decision:
+                self._read_blocks(fd, f, blocks)
+        finally:
+            os.close(fd)
+
+    def _trial(self, fd: int, f: FillFile, block: int, dev: int) -> bool:
+        """Read and time the first block of a mount; decide by `pays`."""
+        t = time.perf_counter()
+        self._read_one(fd, f, block)
+        block_s = time.perf_counter() - t
+        l0 = self.source.latency_of(dev) or _small_read_latency(fd, f.key.size)
+        ok = pays(block_s, l0, f.key.block_length(block) or BLOCK_BYTES)
+        mount = mount_of(dev)
+        log.info("cache: %s fill on %s (%s): a %d KiB block read in %.1f ms against %d small reads of %.2f ms",
+                 "a" if ok else "no", mount.point, mount.fs_type, BLOCK_BYTES >> 10, block_s * 1e3,
+                 max(1, BLOCK_BYTES // REPLACED_READ_BYTES), l0 * 1e3)
+        return ok
+
+    def _read_blocks(self, fd: int, f: FillFile, blocks: list[int]) -> None:
+        pending: set[concurrent.futures.Future] = set()
+        for b in blocks:
+            if self.full or self.cache.closed or self.source.closed():
+                break
+            if len(pending) >= FILL_IN_FLIGHT:
+                _, pending = concurrent.futures.wait(pending, return_when=concurrent.futures.FIRST_COMPLETED)
+            pending.add(self.cache.io.submit(self._read_one, fd, f, b))
+        concurrent.futures.wait(pending)
+        for fut in pending:
+            fut.result()  # a read error ends the fill (run logs it)
+
+    def _read_one(self, fd: int, f: FillFile, block: int) -> None:
+        if self.full or self.cache.cached(f.key, block):
+            return
+        if not self.started_at:
+            self.started_at = time.perf_counter()
+            log.info("cache: fill of dataset %s started (%d file(s), %d bytes)", self.source.name,
+                     len(self.source.files), sum(x.key.size for x in self.source.files))
+        length = f.key.block_length(block)
+        stats = self.source.stats
+        stats.blocking_started()  # type: ignore[attr-defined]
+        data, ok = b"", False
+        try:
+            data = _pread(fd, block * BLOCK_BYTES, length)
+            ok = True
+        finally:
+            stats.blocking_finished(len(data), ok)  # type: ignore[attr-defined]
+        if len(data) != length:  # the file shrank since it was opened: its key is stale
+            raise OSError(f"{f.path} changed during the fill ({len(data)} of {length} bytes at block {block})")
+        if self.cache.store_block(f.key, block, data):
+            self.filled += length
+        else:
+            self.full = True

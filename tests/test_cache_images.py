@@ -1,0 +1,145 @@
+"""The cache tier for files read whole (ImageFolder images): cached whole at their first
+read or by a fill in listing order, keyed by real path, size and mtime. Real components:
+latencyfs FUSE mounts and their daemon's counters, real files and links, an in-process
+gRPC server end to end: a second epoch makes not one read at the daemon; the fill runs on
+FUSE and not on a local disk; reads racing the fill get every file's bytes; the budget
+holds, all of a file or none; a link out of the dataset's roots is never cached."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+from pathlib import Path
+
+import pytest
+
+from croupier.bench import latencyfs
+from croupier.server.cache import BlockCache, CacheSizes, CachedStore
+from croupier.server.storage.confined import ConfinedStore
+from croupier.server.storage.local import LocalStore
+from cache_epochs import image_epoch
+from readers_data import write_imagefolder
+
+_REASON = latencyfs.check_available()
+needs_fuse = pytest.mark.skipif(_REASON is not None, reason=f"latencyfs unusable here: {_REASON}")
+
+
+@needs_fuse
+def test_a_second_epoch_of_an_image_folder_on_fuse_makes_no_read_at_the_daemon(
+    tmp_path: Path, serve_inprocess, caplog
+) -> None:
+    src = tmp_path / "src"
+    files = write_imagefolder(src, 100, ("cat", "dog", "eel"))
+    total = sum((src / rel).stat().st_size for rel, _ in files)
+    with latencyfs.mounted(src, median_ms=2, distribution="fixed", max_background=latencyfs.KERNEL_DEFAULT) as fs:
+        with caplog.at_level(logging.INFO, logger="croupier.server.cache"):
+            srv = serve_inprocess(datasets=[f"imgs={fs.path}"], cache_memory="64M")
+            [reader] = srv.running.catalog.readers()
+            store = reader.store
+            assert isinstance(store, CachedStore)
+            image_epoch(srv.address, "imgs", 0, len(files))  # cold: direct reads beside the whole-file fill
+            assert store.fill_done(60)
+        assert any("a whole-file fill on" in r.getMessage() and "fuse" in r.getMessage() for r in caplog.records)
+        cache = srv.running.catalog.cache
+        assert cache.memory.resident == total  # every image, whole
+        daemon = fs.stats()
+        hits = cache.stats.hits
+        image_epoch(srv.address, "imgs", 1, len(files))
+        image_epoch(srv.address, "imgs", 2, len(files))
+        after = fs.stats()
+        assert (after["requests"], after["opens"]) == (daemon["requests"], daemon["opens"])  # not one read, not one open
+        assert cache.stats.hits == hits + 2 * len(files)
+
+
+def test_no_whole_file_fill_on_a_local_disk_and_direct_reads_are_still_kept(tmp_path: Path, caplog) -> None:
+    data = {f"f{i:03d}.bin": random.Random(i).randbytes(3000) for i in range(40)}
+    for name, body in data.items():
+        (tmp_path / name).write_bytes(body)
+    cache = BlockCache(CacheSizes(memory_bytes=1 << 20, fill="auto"))
+    store = CachedStore(ConfinedStore(LocalStore(io_threads=4), [str(tmp_path)]), cache, "t")
+    paths = [str(tmp_path / n) for n in data]
+    store.plan_whole_files(paths)
+
+    async def go() -> list[bytes]:
+        return [await store.read(p, 0, -1) for p in paths[:5]]
+
+    with caplog.at_level(logging.INFO, logger="croupier.server.cache"):
+        assert asyncio.run(go()) == list(data.values())[:5]
+        assert store.fill_done(60)
+    assert any("no whole-file fill on" in r.getMessage() for r in caplog.records)
+    assert cache.memory.resident == 5 * 3000  # the 5 read, none filled
+    store.close()
+    cache.close()
+
+
+@needs_fuse
+def test_reads_racing_the_fill_get_every_files_bytes_and_later_ones_never_reach_the_daemon(tmp_path: Path) -> None:
+    src = tmp_path / "src"
+    src.mkdir()
+    data = {f"f{i:03d}.bin": random.Random(i).randbytes(random.Random(-i).randrange(1, 300_000)) for i in range(120)}
+    for name, body in data.items():
+        (src / name).write_bytes(body)
+    cache = BlockCache(CacheSizes(memory_bytes=64 << 20, fill="auto"))
+    with latencyfs.mounted(src, median_ms=2, distribution="fixed", max_background=latencyfs.KERNEL_DEFAULT) as fs:
+        store = CachedStore(ConfinedStore(LocalStore(io_threads=16), [str(fs.path)]), cache, "t")
+        paths = [str(fs.path / n) for n in data]
+        store.plan_whole_files(paths)
+        order = random.Random(7).sample(paths, len(paths)) * 2  # every file twice, shuffled
+
+        async def epoch() -> list[bytes]:
+            return list(await asyncio.gather(*(store.read(p, 0, -1) for p in order)))
+
+        async def go() -> None:
+            got = await epoch()  # the first read starts the fill: the rest race it
+            assert got == [data[p.rsplit("/", 1)[-1]] for p in order]
+            assert await asyncio.to_thread(store.fill_done, 60)
+            assert cache.memory.resident == sum(map(len, data.values()))
+            requests = fs.stats()["requests"]
+            assert await epoch() == got
+            assert fs.stats()["requests"] == requests
+            assert cache.stats.hits + cache.stats.misses == 4 * len(paths)  # the fill's reads are not lookups
+
+        asyncio.run(go())
+        store.close()
+    cache.close()
+
+
+def test_the_budget_holds_all_of_a_file_or_none_and_the_rest_is_read_from_storage(tmp_path: Path) -> None:
+    data = {f"f{i:03d}.bin": random.Random(i).randbytes(5000) for i in range(30)}
+    for name, body in data.items():
+        (tmp_path / name).write_bytes(body)
+    cache = BlockCache(CacheSizes(memory_bytes=10 * 5000 + 4999, fill="never"))  # room for 10 files, not 11
+    store = CachedStore(ConfinedStore(LocalStore(io_threads=4), [str(tmp_path)]), cache, "t")
+    paths = [str(tmp_path / n) for n in data]
+
+    async def epoch() -> list[bytes]:
+        return list(await asyncio.gather(*(store.read(p, 0, -1) for p in paths)))
+
+    assert asyncio.run(epoch()) == list(data.values())
+    assert cache.memory.resident == 10 * 5000 and store.stats.reads == 30
+    assert asyncio.run(epoch()) == list(data.values())
+    assert (cache.stats.hits, cache.stats.misses, store.stats.reads) == (10, 50, 50)
+    store.close()
+    assert cache.memory.resident == 0  # the dataset closed: its files left memory
+    cache.close()
+
+
+def test_a_link_out_of_the_roots_is_refused_and_nothing_of_it_is_cached(tmp_path: Path) -> None:
+    inside, outside = tmp_path / "in", tmp_path / "out"
+    inside.mkdir(), outside.mkdir()
+    (outside / "secret.bin").write_bytes(b"s" * 4000)
+    (inside / "link.bin").symlink_to(outside / "secret.bin")
+    (inside / "ok.bin").write_bytes(b"k" * 4000)
+    cache = BlockCache(CacheSizes(memory_bytes=1 << 20, fill="never"))
+    store = CachedStore(ConfinedStore(LocalStore(io_threads=4), [str(inside)]), cache, "t")
+
+    async def go() -> None:
+        assert await store.read(str(inside / "ok.bin"), 0, -1) == b"k" * 4000
+        with pytest.raises(Exception, match="outside the dataset's roots"):
+            await store.read(str(inside / "link.bin"), 0, -1)
+
+    asyncio.run(go())
+    assert cache.memory.resident == 4000  # ok.bin only
+    store.close()
+    cache.close()
