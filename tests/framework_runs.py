@@ -11,6 +11,7 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -72,3 +73,23 @@ def assert_resumed_exactly(reference: list[list[tuple[int, list[int]]]],
         assert resumed[rank] == reference[rank][steps_done:], (
             f"rank {rank}: after a resume at step {steps_done} the run trained "
             f"{resumed[rank][:2]}..., the uninterrupted run {reference[rank][steps_done:steps_done + 2]}...")
+
+
+def assert_trains_and_resumes_exactly(example: str, server: str, tmp_path: Path, steps: int, out_flag: str,
+                                      checkpoint: Callable[[Path, int], Path], *flags: str) -> None:
+    """An example trained `steps` steps (2 epochs of 8) reshuffles its epochs, each once; started
+    again from its checkpoint at step 6 (mid-epoch 0) and at step 8 (its end: the resumed run
+    starts epoch 1) it trains on exactly what the uninterrupted run trained after that step.
+    `checkpoint(out, step)` is the folder the example's checkpoint of `step` is in."""
+
+    def train(out: Path, log: Path, *extra: str) -> None:
+        run(torchrun(example, "--servers", server, "--dataset", "rows", "--batch-size", str(BATCH), "--seed", str(SEED),
+                     "--max-steps", str(steps), out_flag, str(out), "--log-dir", str(log), *flags, *extra))
+
+    train(tmp_path / "out", tmp_path / "full")
+    reference = trained(tmp_path / "full")
+    assert_reshuffled_exactly_once(reference, 2)
+    assert len(reference[0]) == len(reference[1]) == steps
+    for step in (6, 8):
+        train(tmp_path / f"out-{step}", tmp_path / f"resumed-{step}", "--resume", str(checkpoint(tmp_path / "out", step)))
+        assert_resumed_exactly(reference, trained(tmp_path / f"resumed-{step}"), steps_done=step)

@@ -14,8 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from framework_runs import BATCH, ROWS, SEED, assert_reshuffled_exactly_once, assert_resumed_exactly, run, \
-    torchrun, trained
+from framework_runs import ROWS, assert_trains_and_resumes_exactly
 
 pytest.importorskip("accelerate", reason="Hugging Face accelerate is not installed (pip install -e '.[frameworks]')")
 
@@ -23,22 +22,8 @@ pytestmark = pytest.mark.slow
 STEPS = 16  # two epochs of 8 steps
 
 
-def _train(server: str, ckpt: Path, log: Path, *extra: str) -> None:
-    run(torchrun("accelerate_train.py", "--servers", server, "--dataset", "rows", "--batch-size", str(BATCH),
-                 "--seed", str(SEED), "--max-steps", str(STEPS), "--checkpoint-dir", str(ckpt),
-                 "--checkpoint-every", "2", "--log-dir", str(log), *extra))
-
-
 def test_accelerate_prepare_passes_loader_through_and_load_state_resumes_exactly(serve_inprocess,
                                                                                   tmp_path: Path) -> None:
     server = serve_inprocess(datasets=[f"rows=synthetic:{ROWS}"]).address
-    _train(server, tmp_path / "ckpt", tmp_path / "full")
-    reference = trained(tmp_path / "full")
-    assert_reshuffled_exactly_once(reference, 2)
-    assert len(reference[0]) == len(reference[1]) == STEPS
-
-    # Step 6 is mid-epoch 0, step 8 its end (the resumed run then starts epoch 1).
-    for step in (6, 8):
-        _train(server, tmp_path / f"ckpt-{step}", tmp_path / f"resumed-{step}",
-               "--resume", str(tmp_path / "ckpt" / f"step-{step:06d}"))
-        assert_resumed_exactly(reference, trained(tmp_path / f"resumed-{step}"), steps_done=step)
+    assert_trains_and_resumes_exactly("accelerate_train.py", server, tmp_path, STEPS, "--checkpoint-dir",
+                                      lambda out, step: out / f"step-{step:06d}", "--checkpoint-every", "2")
