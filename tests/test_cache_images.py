@@ -52,25 +52,36 @@ def test_a_second_epoch_of_an_image_folder_on_fuse_makes_no_read_at_the_daemon(
         assert cache.stats.hits == hits + 2 * len(files)
 
 
-def test_no_whole_file_fill_on_a_local_disk_and_direct_reads_are_still_kept(tmp_path: Path, caplog) -> None:
+def test_files_on_a_local_disk_are_not_cached_their_reads_go_straight_to_the_store(tmp_path: Path, caplog) -> None:
     data = {f"f{i:03d}.bin": random.Random(i).randbytes(3000) for i in range(40)}
     for name, body in data.items():
         (tmp_path / name).write_bytes(body)
     cache = BlockCache(CacheSizes(memory_bytes=1 << 20, fill="auto"))
     store = CachedStore(ConfinedStore(LocalStore(io_threads=4), [str(tmp_path)]), cache, "t")
     paths = [str(tmp_path / n) for n in data]
-    store.plan_whole_files(paths)
 
     async def go() -> list[bytes]:
         return [await store.read(p, 0, -1) for p in paths[:5]]
 
     with caplog.at_level(logging.INFO, logger="croupier.server.cache"):
+        store.plan_whole_files(paths)
+        reads = store.stats.reads
         assert asyncio.run(go()) == list(data.values())[:5]
         assert store.fill_done(60)
-    assert any("no whole-file fill on" in r.getMessage() for r in caplog.records)
-    assert cache.memory.resident == 5 * 3000  # the 5 read, none filled
+    assert any("files of dataset t not cached" in r.getMessage() and "a local file system" in r.getMessage()
+               for r in caplog.records)
+    assert store.stats.reads == reads + 5  # each read the store's own
+    assert cache.memory.resident == 0 and (cache.stats.hits, cache.stats.misses) == (0, 0)  # the cache never saw them
     store.close()
     cache.close()
+
+    forced = BlockCache(CacheSizes(memory_bytes=1 << 20, fill="always"))  # --cache-fill always: cached anyway
+    store = CachedStore(ConfinedStore(LocalStore(io_threads=4), [str(tmp_path)]), forced, "t")
+    store.plan_whole_files(paths)
+    assert asyncio.run(go()) == list(data.values())[:5]
+    assert store.fill_done(60) and forced.memory.resident == 40 * 3000  # the fill read them all
+    store.close()
+    forced.close()
 
 
 @needs_fuse

@@ -110,7 +110,7 @@ class CachedStore(Store):
         st.miss_bytes += missing_bytes
 
     async def read(self, path: str, offset: int, size: int) -> bytes:
-        if self.whole is not None and offset == 0 and size < 0 and path not in self._keys:
+        if self.whole is not None and not self.whole.bypass and offset == 0 and size < 0 and path not in self._keys:
             self.whole.start_fill()
             return await self.whole.read(path)
         return (await self.read_ranges(path, [(offset, size)]))[0]

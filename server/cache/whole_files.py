@@ -12,11 +12,13 @@ whose roots hold its real path, and only bytes a confined read returned. Admissi
 pinned subset's: whole files into memory while the budget has room, then to the disk
 tier, then none.
 
+On a local file system none of this happens (`plan`: the page cache is the cache there,
+and the per-read check would cost more than the read), unless `--cache-fill always`.
+
 The fill (`start_fill`): the dataset's files read whole in listing order, FILL_FILES at once
-on the store's own read path, from the dataset's first read on, where fills pay: never on
-a local file system (its page cache is the cache), on any other mount (FUSE, NFS) yes: a
-whole-file read is the very read an epoch makes, made once and early. `--cache-fill`
-always / never overrides.
+on the store's own read path, from the dataset's first read on, on any mount that is not
+local (FUSE, NFS): a whole-file read is the very read an epoch makes, made once and early.
+`--cache-fill` always / never overrides.
 """
 
 from __future__ import annotations
@@ -58,6 +60,8 @@ class WholeFiles:
         self.fill_done = threading.Event()
         self.filled = 0
         self.closed = False
+        #: A local file system's files go straight to the store (`plan` decides, at open).
+        self.bypass = False
 
     # ---- keys ----------------------------------------------------------------------------
     def _key_of(self, path: str) -> FileKey | None:
@@ -126,8 +130,23 @@ class WholeFiles:
 
     # ---- the fill ------------------------------------------------------------------------
     def plan(self, paths: Sequence[str]) -> None:
-        """The dataset's files in listing order: what its fill reads."""
+        """The dataset's files in listing order: what its fill reads. Called at open (blocking,
+        off the loop): on a local file system, unless `--cache-fill always`, the files are not
+        cached at all. The kernel's page cache already serves them, and the key check every
+        read needs (a realpath and a stat on the store's threads) cost more than the read:
+        measured on ext4, 6,000 images of 64x64, 2.0-2.5x fewer samples/s and 1.9x the
+        server's CPU with it, even with every image in memory."""
         self._planned = list(paths)
+        if not self._planned or self.cache.sizes.fill == "always":
+            return
+        try:
+            mount = mount_of(os.stat(self._planned[0]).st_dev)
+        except OSError:  # gone since the listing: the read will say so; cache as elsewhere
+            return
+        if mount.fs_type in LOCAL_FILE_SYSTEMS:
+            self.bypass = True
+            log.info("cache: files of dataset %s not cached: %s (%s) is a local file system, the kernel's page "
+                     "cache serves its reads", self.name, mount.point, mount.fs_type)
 
     def start_fill(self) -> None:
         """At the dataset's first whole-file read: its fill, if it planned one."""
