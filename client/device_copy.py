@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, ContextManager, Protocol
 
 if TYPE_CHECKING:
@@ -177,18 +177,11 @@ class DeviceCopier:
         return t.to(self.device) if self.device is not None else t
 
 
-def _tensors(obj: Any) -> "Iterator[torch.Tensor]":
-    """Every tensor of a batch, in `_map`'s order."""
-    import torch
-
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif isinstance(obj, dict):
-        for v in obj.values():
-            yield from _tensors(v)
-    elif isinstance(obj, (list, tuple)):
-        for v in obj:
-            yield from _tensors(v)
+def _tensors(obj: Any) -> "list[torch.Tensor]":
+    """Every tensor of a batch, found by `_map`'s own walk (so the two never disagree)."""
+    found: list[Any] = []
+    _map(obj, lambda t: found.append(t) or t)
+    return found
 
 
 def _map(obj: Any, fn: Callable[["torch.Tensor"], "torch.Tensor"]) -> Any:
