@@ -12,6 +12,7 @@ import asyncio
 import os
 import random
 import threading
+import time
 from pathlib import Path
 
 import grpc
@@ -76,6 +77,36 @@ def test_a_mount_that_caps_concurrent_preads_is_read_by_page_faults_and_a_raised
     else:
         assert not choice.capped() and choice.path == "pread" and "mmap" not in choice.rates, choice
         assert peak == 64
+
+
+@needs_fuse
+@needs_native
+def test_a_probe_beside_a_busy_server_still_finds_the_cap_counting_only_its_own_threads_cpu(source: Path) -> None:
+    # A probe again runs inside a serving process whose other threads keep its CPUs busy.
+    # Their CPU must not pass for the probe's own: preads that wait on a capped mount are
+    # not CPU-bound, whatever the process's CPU clock says.
+    stop = threading.Event()
+
+    def spin() -> None:
+        while not stop.is_set():
+            sum(range(10_000))
+
+    with latencyfs.mounted(source, median_ms=20, distribution="fixed", max_background=latencyfs.KERNEL_DEFAULT) as fs:
+        store = LocalStore(io_threads=256, read_path="auto")
+        busy = threading.Thread(target=spin, daemon=True)
+        try:
+            busy.start()
+            cpu0, t0 = time.process_time(), time.monotonic()
+            store.pin(str(fs.path / "data.bin"))
+            process_cores = (time.process_time() - cpu0) / (time.monotonic() - t0)
+            [choice] = store.read_paths()
+        finally:
+            stop.set()
+            busy.join()
+            store.close()
+    assert process_cores >= 0.5, process_cores  # the process was busy: its CPU clock alone would say CPU-bound
+    assert choice.cpu_cores["pread"] < 0.5, choice  # the probe's reading threads waited on the mount
+    assert choice.capped() and choice.path == "mmap", choice
 
 
 @needs_native

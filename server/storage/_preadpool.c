@@ -49,10 +49,12 @@
  * finds the smallest of 1, 512, 4096 a file accepts (one test read each).
  *
  * measure(fd, mapping | None, offsets, size, concurrency[, align]) -> (seconds, errors,
- * threads, seconds_dry, done_dry): that many reads, `concurrency` at once on threads of
- * its own (the store's probe of a mount; align > 0: fd is O_DIRECT, read as above);
- * *_dry: when the last read started, and how many had ended by then (a steady-state rate,
- * without the slowest reads' tail).
+ * threads, seconds_dry, done_dry, cpu_seconds): that many reads, `concurrency` at once on
+ * threads of its own (the store's probe of a mount; align > 0: fd is O_DIRECT, read as
+ * above); *_dry: when the last read started, and how many had ended by then (a
+ * steady-state rate, without the slowest reads' tail); cpu_seconds: the CPU those threads
+ * used, theirs alone (the process's CPU clock would count a busy server's other threads,
+ * and a probe beside them would read its reads as CPU-bound).
  */
 #define _GNU_SOURCE /* pthread_setname_np */
 #define PY_SSIZE_T_CLEAN
@@ -558,10 +560,18 @@ typedef struct {
     atomic_int dry;           /* set by the first thread to find no read left to start */
     struct timespec t0, t_dry;
     long long done_at_dry;    /* reads completed by then: the rest were in flight */
+    atomic_llong cpu_ns;      /* CPU the workers used, summed over them */
 } probe;
+
+static long long thread_cpu_ns(void) {
+    struct timespec t;
+    if (clock_gettime(CLOCK_THREAD_CPUTIME_ID, &t) != 0) return 0;
+    return (long long)t.tv_sec * 1000000000LL + t.tv_nsec;
+}
 
 static void *probe_worker(void *arg) {
     probe *pr = (probe *)arg;
+    long long cpu0 = thread_cpu_ns();
     char *buf = malloc(pr->size > 0 ? (size_t)pr->size : 1);
     if (!buf) { atomic_fetch_add(&pr->errors, 1); return NULL; }
     for (;;) {
@@ -588,6 +598,7 @@ static void *probe_worker(void *arg) {
         atomic_fetch_add(&pr->done, 1);
     }
     free(buf);
+    atomic_fetch_add(&pr->cpu_ns, thread_cpu_ns() - cpu0);
     return NULL;
 }
 
@@ -624,6 +635,7 @@ static PyObject *measure(PyObject *mod, PyObject *args) {
     atomic_init(&pr.errors, 0);
     atomic_init(&pr.done, 0);
     atomic_init(&pr.dry, 0);
+    atomic_init(&pr.cpu_ns, 0);
     pthread_t *ts = calloc((size_t)concurrency, sizeof *ts);
     int started = 0;
     struct timespec t0, t1;
@@ -647,8 +659,8 @@ static PyObject *measure(PyObject *mod, PyObject *args) {
     if (m) mapping_release(m);
     double secs = (double)(t1.tv_sec - t0.tv_sec) + (double)(t1.tv_nsec - t0.tv_nsec) / 1e9;
     double dry = (double)(pr.t_dry.tv_sec - t0.tv_sec) + (double)(pr.t_dry.tv_nsec - t0.tv_nsec) / 1e9;
-    return Py_BuildValue("(dLidL)", secs, (long long)atomic_load(&pr.errors), started > 0 ? started : 1, dry,
-                         pr.done_at_dry);
+    return Py_BuildValue("(dLidLd)", secs, (long long)atomic_load(&pr.errors), started > 0 ? started : 1, dry,
+                         pr.done_at_dry, (double)atomic_load(&pr.cpu_ns) / 1e9);
 }
 
 static void free_job(job *j) {
@@ -769,7 +781,7 @@ static PyTypeObject PoolType = {
 
 static PyMethodDef module_methods[] = {
     {"measure", measure, METH_VARARGS,
-     "measure(fd, mapping | None, offsets, size, concurrency[, align]) -> (seconds, errors, threads, seconds_dry, done_dry)"},
+     "measure(fd, mapping | None, offsets, size, concurrency[, align]) -> (seconds, errors, threads, seconds_dry, done_dry, cpu_seconds)"},
     {"direct_alignment", direct_alignment, METH_VARARGS,
      "direct_alignment(fd, file_size) -> the offset and size alignment an O_DIRECT fd accepts (1, 512 or 4096)"},
     {NULL}};

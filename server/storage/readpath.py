@@ -249,11 +249,11 @@ def timed_rate(fd: int, mapping, offsets: list[int], size: int, c: int, align: i
     """Reads/s of `size` bytes at `offsets` (preads, page faults of `mapping`, or with
     `align` > 0 O_DIRECT reads of `fd` at that alignment), `c` at a time on native
     threads, in the steady state: those done by the time the last one started, over that
-    time (the slowest few reads' tail left out); and the process's CPU seconds per second
-    meanwhile."""
-    cpu0 = time.process_time()
-    secs, _, _, dry_secs, dry_done = native.measure(fd, mapping, offsets, size, c, align)
-    cores = (time.process_time() - cpu0) / max(secs, 1e-9)
+    time (the slowest few reads' tail left out); and the CPU seconds per second its reading
+    threads used, theirs alone: a probe again runs beside a busy server, whose other
+    threads' CPU says nothing of whether these reads are CPU-bound."""
+    secs, _, _, dry_secs, dry_done, cpu = native.measure(fd, mapping, offsets, size, c, align)
+    cores = cpu / max(secs, 1e-9)
     rate = dry_done / dry_secs if dry_done >= c and dry_secs > 0 else len(offsets) / max(secs, 1e-9)
     return rate, cores
 
