@@ -2,8 +2,11 @@
 
     python -m croupier.bench.cache_tier [--rows 40000] [--row-bytes 1000] [--epochs 3]
         [--out bench/results/cache_tier.md] [--skip s3 raised]
+    python -m croupier.bench.cache_tier --data images [--images 6000] --skip s3 \
+        --out bench/results/cache_tier-images.md
 
-One text table (Arrow IPC, `rows` rows of `row-bytes` bytes) on slow storage; for every
+One text table (Arrow IPC, `rows` rows of `row-bytes` bytes), or with `--data images` an
+ImageFolder of `images` 64x64 JPEGs (read whole, not decoded), on slow storage; for every
 condition, one `croupier serve` process per cache setting (on: the defaults; 10%: a
 `--cache-memory` of a tenth of the file in whole 1 MiB blocks; off: `--cache-memory 0`), one rank, batch 64,
 `epochs` epochs. Each epoch's samples/s, and what storage served per delivered sample:
@@ -20,6 +23,10 @@ Conditions (5 ms lognormal per read, sigma 0.5):
   costs (within an epoch, readahead pages still serve their neighbours). The 10% cache runs here.
 - fuse-raised: latencyfs with max_background 1024 (what a tuned mount allows), no page cache.
 - s3: the loopback S3 server (bench/s3server.py, its own process), no page cache exists.
+- rclone: that bucket through `rclone mount` with rclone's defaults (bench/rclone.py), the
+  path given to croupier; before every epoch the kernel's page cache dropped (drop_caches:
+  pages a process has mapped stay) and every file stat'ed (names warm, data cold: see
+  `cold_data_warm_names`). Storage reads: the S3 server's GETs.
 
 Target (issue 25): storage reads per delivered sample over `epochs` (3) epochs of data that
 fits, at most 1/3 + 0.05, i.e. the data read from storage at most once: measured in bytes
@@ -81,6 +88,8 @@ CONDITIONS = (
     Condition("fuse-raised", f"latencyfs 5 ms, max_background {RAISED}, page cache dropped before every epoch",
               ("on", "off"), True),
     Condition("s3", "loopback S3 server, 5 ms lognormal per request", ("on", "off"), False),
+    Condition("rclone", "rclone mount (defaults) of the loopback S3 server's bucket, 5 ms lognormal per request, "
+              "page cache dropped before every epoch", ("on", "off"), True),
 )
 
 
@@ -95,6 +104,18 @@ def table_folder(tmp: Path, rows: int, row_bytes: int) -> tuple[Path, int]:
     (tmp / "src").mkdir()
     write_table(tmp / "src" / "t.arrow", rows, row_bytes)
     return tmp / "src", (tmp / "src" / "t.arrow").stat().st_size
+
+
+def image_folder(tmp: Path, images: int) -> tuple[Path, int]:
+    """tmp/src/t: an ImageFolder of `images` 64x64 JPEGs in 10 classes, and their bytes."""
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    for i in range(images):
+        folder = tmp / "src" / "t" / f"c{i % 10}"
+        folder.mkdir(parents=True, exist_ok=True)
+        Image.fromarray(rng.integers(0, 255, (64, 64, 3), dtype=np.uint8)).save(folder / f"{i}.jpg", quality=85)
+    return tmp / "src", sum(f.stat().st_size for f in (tmp / "src" / "t").rglob("*.jpg"))
 
 
 def serve(datasets: list[str], extra: list[str], tmp: Path, env: dict[str, str] | None = None
@@ -132,12 +153,15 @@ def cache_flags(setting: str, data_bytes: int) -> list[str]:
 
 
 def one_epoch(port: int, epoch: int) -> tuple[int, float]:
-    """(samples, seconds) of one rank's epoch at batch 64."""
-    loader = Loader("t", servers=f"127.0.0.1:{port}", batch_size=64, seed=0, format="numpy")
+    """(samples, seconds) of one rank's epoch at batch 64 (images undecoded)."""
+    from croupier.client import ImageDecoding
+
+    loader = Loader("t", servers=f"127.0.0.1:{port}", batch_size=64, seed=0, format="numpy",
+                    decoding=ImageDecoding(output="none"))
     loader.set_epoch(epoch)
     t, n = time.perf_counter(), 0
     for batch in loader:
-        n += len(batch["id"])
+        n += len(next(iter(batch.values())))
     return n, time.perf_counter() - t
 
 
@@ -159,17 +183,20 @@ def run_setting(port: int, epochs: int, counter: Counter, data_bytes: int,
 
 
 @contextlib.contextmanager
-def fuse_storage(src: Path, max_background: int) -> Iterator[Storage]:
+def fuse_storage(src: Path, max_background: int, name: str) -> Iterator[Storage]:
     with latencyfs.mounted(src, median_ms=MEDIAN_MS, sigma=SIGMA, max_background=max_background) as fs:
         def counter() -> tuple[int, int]:
             s = fs.stats()
             return s["requests"], s["bytes"]
-        yield Storage(f"t={fs.path / 't.arrow'}", counter, fs.evict, {})
+        yield Storage(f"t={fs.path / name}", counter, fs.evict, {})
 
 
 @contextlib.contextmanager
-def s3_storage(src: Path) -> Iterator[Storage]:
+def s3_storage(src: Path, name: str, through_rclone: bool = False) -> Iterator[Storage]:
+    """The loopback S3 server holding `src` as s3://bench/ds; with `through_rclone`, that
+    bucket mounted by `rclone mount` (its defaults), the data given by its path there."""
     from . import s3server
+    from .rclone import rclone_mounted
 
     root = Path(tempfile.mkdtemp(prefix="cache-tier-s3-"))
     (root / "bench").mkdir()
@@ -181,16 +208,33 @@ def s3_storage(src: Path) -> Iterator[Storage]:
         def counter() -> tuple[int, int]:
             s = server.stats()
             return s["by_method"].get("GET", 0), s["bytes"]
-        yield Storage("t=s3://bench/ds", counter, lambda: None, env)
+        if not through_rclone:
+            where = "s3://bench/ds" if name.endswith(".arrow") else f"s3://bench/ds/{name}"  # the table: its folder
+            yield Storage(f"t={where}", counter, lambda: None, env)
+            return
+        with rclone_mounted(server.endpoint, "bench", timeout=30) as mnt:
+            yield Storage(f"t={mnt / 'ds' / name}", counter, lambda: cold_data_warm_names(mnt / "ds"), {})
+
+
+def cold_data_warm_names(root: Path) -> None:
+    """The kernel's page cache dropped (root; mapped pages stay), then every file under
+    `root` stat'ed: a mount in use knows its names, its data is cold. Without this the first
+    server on a fresh rclone mount ran its cold epoch at half the second's speed, whichever
+    cache setting it had (835 vs 1,519 images/s, 6,000 JPEGs)."""
+    os.sync()
+    Path("/proc/sys/vm/drop_caches").write_text("1\n")
+    for folder, _, names in os.walk(root):
+        for n in names:
+            os.stat(os.path.join(folder, n))
 
 
 def run_condition(cond: Condition, src: Path, data_bytes: int, epochs: int, tmp: Path,
-                  say: Callable[[str], None]) -> dict[str, Any]:
+                  say: Callable[[str], None], name: str = "t.arrow") -> dict[str, Any]:
     res: dict[str, Any] = {"key": cond.key, "title": cond.title, "settings": {}}
-    if cond.key == "s3":
-        storage: Any = s3_storage(src)
+    if cond.key in ("s3", "rclone"):
+        storage: Any = s3_storage(src, name, through_rclone=cond.key == "rclone")
     else:
-        storage = fuse_storage(src, RAISED if cond.key == "fuse-raised" else latencyfs.KERNEL_DEFAULT)
+        storage = fuse_storage(src, RAISED if cond.key == "fuse-raised" else latencyfs.KERNEL_DEFAULT, name)
     with storage as st:
         for setting in cond.settings:
             st.evict()
@@ -249,8 +293,10 @@ def targets(rep: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def markdown(rep: dict[str, Any], plots: list[str]) -> str:
-    lines = [f"# Cache tier: {rep['rows']:,} rows of {rep['row_bytes']} B ({rep['data_bytes'] / 1e6:.1f} MB Arrow IPC), "
-             f"1 rank, batch 64, {rep['epochs']} epochs", "", *header_lines(rep),
+    what = (f"{rep['images']:,} 64x64 JPEGs ({rep['data_bytes'] / 1e6:.1f} MB ImageFolder, read whole, not decoded)"
+            if rep.get("data") == "images" else
+            f"{rep['rows']:,} rows of {rep['row_bytes']} B ({rep['data_bytes'] / 1e6:.1f} MB Arrow IPC)")
+    lines = [f"# Cache tier: {what}, 1 rank, batch 64, {rep['epochs']} epochs", "", *header_lines(rep),
              "Storage reads: the FUSE daemon's read requests (128 KiB at most each) or the S3 server's GETs. "
              "Data read: storage bytes / the data's bytes, per epoch (1.00 = every byte read once that epoch). "
              "Whole run: from the server's start to its end, its read-path probe of the mount at open included "
@@ -281,7 +327,6 @@ NOT_MEASURED = [
     "Peers (Mosaic Streaming, LitData) side by side: their venvs (bench/peers/venvs.py, under "
     "~/.cache/croupier/peer-venvs) are not built on this machine, and building them (torch wheels) takes longer "
     "than this run; `croupier bench --suite peers` measures them where they are.",
-    "The rclone-mounted bucket: rclone is not installed here.",
 ]
 
 
@@ -291,6 +336,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rows", type=int, default=40000)
     p.add_argument("--row-bytes", type=int, default=1000)
     p.add_argument("--epochs", type=int, default=3)
+    p.add_argument("--data", choices=("text", "images"), default="text")
+    p.add_argument("--images", type=int, default=6000, help="with --data images: how many JPEGs")
     p.add_argument("--skip", nargs="*", default=[], choices=[c.key for c in CONDITIONS], help="conditions left out")
     p.add_argument("--out", type=Path, default=Path("bench/results/cache_tier.md"),
                    help="the Markdown report (its JSON beside it, named alike)")
@@ -308,14 +355,18 @@ def main(argv: list[str] | None = None) -> int:
     def measure(rep: dict[str, Any]) -> None:
         with tempfile.TemporaryDirectory(prefix="cache-tier-") as d:
             tmp = Path(d)
-            src, data_bytes = table_folder(tmp, args.rows, args.row_bytes)
-            rep.update(rows=args.rows, row_bytes=args.row_bytes, epochs=args.epochs, data_bytes=data_bytes,
-                       conditions=[], not_measured=list(NOT_MEASURED))
+            if args.data == "images":
+                src, data_bytes = image_folder(tmp, args.images)
+            else:
+                src, data_bytes = table_folder(tmp, args.rows, args.row_bytes)
+            rep.update(rows=args.rows, row_bytes=args.row_bytes, images=args.images, data=args.data, epochs=args.epochs,
+                       data_bytes=data_bytes, conditions=[], not_measured=list(NOT_MEASURED))
+            name = "t" if args.data == "images" else "t.arrow"
             for cond in CONDITIONS:
                 if cond.key in args.skip:
                     continue
-                got = attempt(rep, cond.key, lambda c=cond: run_condition(c, src, data_bytes, args.epochs, tmp, print),
-                              print)
+                got = attempt(rep, cond.key,
+                              lambda c=cond: run_condition(c, src, data_bytes, args.epochs, tmp, print, name), print)
                 if got is not None:
                     rep["conditions"].append(got)
         rep["targets"] = targets(rep)

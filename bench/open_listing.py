@@ -15,13 +15,13 @@ import argparse
 import io
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 from . import s3server
+from .rclone import rclone_mounted
 
 
 def _tiny_jpeg() -> bytes:
@@ -38,22 +38,6 @@ def _write(root: Path, images: int, classes: int) -> None:
         (root / f"class{c:04d}").mkdir(parents=True, exist_ok=True)
     for i in range(images):
         (root / f"class{i % classes:04d}" / f"{i:08d}.jpg").write_bytes(data)
-
-
-def _mount(endpoint: str, work: Path) -> tuple[subprocess.Popen, Path]:
-    conf = work / "rclone.conf"
-    conf.write_text(f"[bench]\ntype = s3\nprovider = Other\nendpoint = {endpoint}\naccess_key_id = x\nsecret_access_key = y\n")
-    mnt = work / "mnt"
-    mnt.mkdir()
-    env = {k: v for k, v in os.environ.items() if k != "AWS_CA_BUNDLE"}  # rclone 1.60 refuses to start with it
-    proc = subprocess.Popen(["rclone", "mount", "--config", str(conf), "bench:data", str(mnt)], env=env,
-                            stdout=subprocess.DEVNULL, stderr=open(work / "rclone.log", "wb"))
-    deadline = time.monotonic() + 30
-    while not os.path.ismount(mnt):
-        if proc.poll() is not None or time.monotonic() > deadline:
-            raise RuntimeError((work / "rclone.log").read_text()[-2000:])
-        time.sleep(0.05)
-    return proc, mnt
 
 
 def _timed(s3, what: str, fn) -> None:
@@ -84,8 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         _write(work / "root" / "data" / "imgs", a.images, a.classes)
         with s3server.running(work / "root", latency=a.median_ms, process=True) as s3:
-            proc, mnt = _mount(s3.endpoint, work)
-            try:
+            with rclone_mounted(s3.endpoint, "data", timeout=30) as mnt:
                 store = LocalStore(io_threads=8, native_pool=False)
                 for k in ("first", "second"):
                     _timed(s3, f"croupier open ({k})", lambda: len(ImageFolderReader("imgs", str(mnt / "imgs"), store=store)))
@@ -93,9 +76,6 @@ def main(argv: list[str] | None = None) -> int:
                     _timed(s3, "stat per file (the open before)", lambda: sum(
                         1 for d in os.scandir(mnt / "imgs") for e in os.scandir(d.path) if e.stat().st_size >= 0))
                 store.close()
-            finally:
-                subprocess.run(["fusermount3", "-u", str(mnt)], capture_output=True)
-                proc.wait(30)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return 0

@@ -144,14 +144,14 @@ class Catalog:
             return store
         from croupier.server.cache import CachedStore
 
-        return CachedStore(store, self.cache, os.path.basename(path.rstrip("/")), owns_inner=owns)
+        return CachedStore(store, self.cache, path.rstrip("/") or path, owns_inner=owns)  # logs name the data's path
 
     def _cached_objects(self, store: Store, path: str) -> Store:
         """An object-store dataset's store read through the server's cache (objects keyed
         by URL, size and ETag; `store` is shared by its bucket's datasets, never closed here)."""
         from croupier.server.cache import CachedObjectStore
 
-        return CachedObjectStore(store, self.cache, path.rstrip("/").rsplit("/", 1)[-1])
+        return CachedObjectStore(store, self.cache, path.rstrip("/"))
 
     def _open_path(self, path: str, name: str | None) -> Reader:
         from croupier.server.readers import open_dataset, resolve_under_roots

@@ -38,9 +38,10 @@ def test_a_second_epoch_of_an_image_folder_on_fuse_makes_no_read_at_the_daemon(
             [reader] = srv.running.catalog.readers()
             store = reader.store
             assert isinstance(store, CachedStore)
-            image_epoch(srv.address, "imgs", 0, len(files))  # cold: direct reads beside the whole-file fill
+            image_epoch(srv.address, "imgs", 0, len(files))  # cold: each image read once, and kept
             assert store.fill_done(60)
-        assert any("a whole-file fill on" in r.getMessage() and "fuse" in r.getMessage() for r in caplog.records)
+        # no fill ahead by default: each image was kept by the epoch's own read of it
+        assert any(f"no whole-file fill of dataset {fs.path}:" in r.getMessage() for r in caplog.records)
         cache = srv.running.catalog.cache
         assert cache.memory.resident == total  # every image, whole
         daemon = fs.stats()
@@ -91,7 +92,7 @@ def test_reads_racing_the_fill_get_every_files_bytes_and_later_ones_never_reach_
     data = {f"f{i:03d}.bin": random.Random(i).randbytes(random.Random(-i).randrange(1, 300_000)) for i in range(120)}
     for name, body in data.items():
         (src / name).write_bytes(body)
-    cache = BlockCache(CacheSizes(memory_bytes=64 << 20, fill="auto"))
+    cache = BlockCache(CacheSizes(memory_bytes=64 << 20, fill="always"))  # --cache-fill always: a fill to race
     with latencyfs.mounted(src, median_ms=2, distribution="fixed", max_background=latencyfs.KERNEL_DEFAULT) as fs:
         store = CachedStore(ConfinedStore(LocalStore(io_threads=16), [str(fs.path)]), cache, "t")
         paths = [str(fs.path / n) for n in data]
@@ -152,5 +153,54 @@ def test_a_link_out_of_the_roots_is_refused_and_nothing_of_it_is_cached(tmp_path
 
     asyncio.run(go())
     assert cache.memory.resident == 4000  # ok.bin only
+    store.close()
+    cache.close()
+
+
+class _CountedVersions(ConfinedStore):
+    """The real confined store, counting the lookups of which file a name leads to."""
+
+    lookups = 0
+
+    async def version(self, path: str):
+        self.lookups += 1
+        return await super().version(path)
+
+
+def test_a_cold_read_looks_nothing_up_and_a_cached_name_is_served_only_while_it_names_the_same_file(
+    tmp_path: Path, caplog
+) -> None:
+    inside, outside = tmp_path / "in", tmp_path / "out"
+    inside.mkdir(), outside.mkdir()
+    data = {f"f{i:03d}.bin": random.Random(i).randbytes(3000 + i) for i in range(20)}
+    for name, body in data.items():
+        (inside / name).write_bytes(body)
+    (outside / "secret.bin").write_bytes(b"s" * 3000)
+    cache = BlockCache(CacheSizes(memory_bytes=1 << 20, fill="never"))
+    inner = _CountedVersions(LocalStore(io_threads=4), [str(inside)])
+    store = CachedStore(inner, cache, "t")
+    paths = [str(inside / n) for n in data]
+
+    async def read_all() -> list[bytes | Exception]:
+        return list(await asyncio.gather(*(store.read(p, 0, -1) for p in paths), return_exceptions=True))
+
+    # cold: one read each, its key from that read itself; not one lookup more
+    assert asyncio.run(read_all()) == list(data.values())
+    assert (inner.lookups, inner.stats.reads, cache.memory.resident) == (0, 20, sum(map(len, data.values())))
+
+    (inside / "f000.bin").write_bytes(b"new" * 1500)  # rewritten: another size and mtime
+    (inside / "f001.bin").unlink()
+    (inside / "f001.bin").symlink_to(inside / "f002.bin")  # now names another file of the dataset
+    (inside / "f003.bin").unlink()
+    (inside / "f003.bin").symlink_to(outside / "secret.bin")  # now names a file outside the roots
+    with caplog.at_level(logging.INFO, logger="croupier.server.cache"):
+        got = asyncio.run(read_all())
+    assert got[0] == b"new" * 1500 and got[1] == data["f002.bin"]
+    assert isinstance(got[3], Exception) and "outside the dataset's roots" in str(got[3])
+    assert [g for i, g in enumerate(got) if i not in (0, 1, 3)] == [b for i, b in enumerate(data.values()) if i not in (0, 1, 3)]
+    assert inner.lookups == 20  # each cached name checked once against the file it names now
+    # f001 now names f002, whose bytes are cached: a hit; f000 read again; f003's read refused
+    assert (cache.stats.hits, cache.stats.misses) == (16 + 2, 20 + 1)
+    assert any("f000.bin changed" in r.getMessage() for r in caplog.records)
     store.close()
     cache.close()

@@ -28,7 +28,7 @@ from croupier.server.readers.listing import Progress
 from croupier.server.storage.local import LocalStore
 from croupier.server.storage.mounts import mount_of, object_store_mount, parse_mountinfo
 
-from rclone_mount import rclone_mounted, rclone_unusable
+from croupier.bench.rclone import rclone_mounted, rclone_unusable
 from readers_data import png_bytes, write_imagefolder
 
 _RCLONE = rclone_unusable()

@@ -346,3 +346,45 @@ def test_a_stream_files_layout_is_cached_and_read_again_when_the_file_changes(tm
     write(pa.concat_tables([table, table]))  # a new file under the same name
     changed, reads = open_counted()
     assert reads > 0 and len(changed) == 1000
+
+
+@pytest.mark.parametrize("pool", ["native", "python"])
+def test_a_whole_read_says_which_file_it_read_and_a_lookup_which_file_a_name_leads_to_now(
+    tmp_path: Path, monkeypatch, pool: str
+) -> None:
+    from croupier.server.storage import native
+    from croupier.server.storage.confined import ConfinedStore
+
+    if pool == "native" and native._NativePool is None:
+        pytest.skip("the native read pool is not built (no C compiler)")
+    monkeypatch.setenv("CROUPIER_READ_POOL", pool)
+    inside, outside = tmp_path / "in", tmp_path / "out"
+    inside.mkdir(), outside.mkdir()
+    (inside / "a.bin").write_bytes(b"a" * 5000)
+    (inside / "link.bin").symlink_to(inside / "a.bin")
+    (inside / "away.bin").symlink_to(outside / "b.bin")
+    (outside / "b.bin").write_bytes(b"b" * 10)
+    local = LocalStore(io_threads=4)
+    store = ConfinedStore(local, [str(inside)])
+    assert (local.native is not None) == (pool == "native")
+    st = os.stat(inside / "a.bin")
+
+    async def go() -> None:
+        data, version = await store.read_whole_versioned(str(inside / "link.bin"))
+        assert data == b"a" * 5000
+        assert version == (str(inside / "a.bin"), st.st_dev, st.st_ino, 5000, st.st_mtime_ns)
+        assert await store.version(str(inside / "link.bin")) == version  # unread, the same file
+        assert await store.version(str(inside / "away.bin")) is None  # outside the roots: no version to serve
+        assert await store.version(str(inside)) is None  # a folder is no file
+        assert await store.version(str(inside / "gone.bin")) is None
+        with pytest.raises(Exception, match="outside the dataset's roots"):
+            await store.read_whole_versioned(str(inside / "away.bin"))
+        (inside / "a.bin").write_bytes(b"A" * 6000)
+        now = await local.version(str(inside / "link.bin"))
+        assert now is not None and now.size == 6000 and not now.same_file(version)
+
+    try:
+        asyncio.run(go())
+        assert store.stats.reads == 2  # the whole reads are reads (the refused one too); the lookups are not
+    finally:
+        local.close()

@@ -13,6 +13,7 @@ import hashlib
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
+from functools import cached_property
 
 #: Bytes per block. Through a FUSE mount at 5 ms (latencyfs, kernel defaults) one
 #: sequential pread of 1 MiB took 20 ms (8 requests of 128 KiB), 4 MiB 104 ms: the cost
@@ -46,12 +47,12 @@ class FileKey:
         """An object's version: its URL, size and ETag (a rewritten object has another ETag)."""
         return cls(url, size, 0, etag)
 
-    @property
+    @cached_property  # hashed once per key, not at every lookup of it
     def path_id(self) -> str:
         """A name for the path alone: every version of the file shares it."""
         return hashlib.sha256(self.real_path.encode("utf-8", "surrogateescape")).hexdigest()[:24]
 
-    @property
+    @cached_property
     def version_id(self) -> str:
         """A name for this version (path, size, mtime, and the ETag of an object)."""
         raw = f"{self.real_path}\0{self.size}\0{self.mtime_ns}" + (f"\0{self.etag}" if self.etag else "")

@@ -1,24 +1,26 @@
 """Files a dataset reads whole and does not pin (ImageFolder images), cached whole.
 
-A file is keyed as a pinned one is (blocks.FileKey: real path, size, mtime), checked on
-every read, hits included: the name resolved (realpath), which must lie under the
-dataset's roots (its confined store's), then stat'ed, on the store's threads. No read and
-no open: on a FUSE mount the kernel answers from its attribute cache. A name swapped for a
-link out of the roots is therefore refused by the dataset's own read as before, and a
-file rewritten or replaced is another key (the log says so). Its bytes are admitted only
-from the dataset's own read of it (the confined store's checked open), whole, and only
-when their length is the size the stat saw: the cache serves a file only to a dataset
-whose roots hold its real path, and only bytes a confined read returned. Admission is the
-pinned subset's: whole files into memory while the budget has room, then to the disk
-tier, then none.
+A file is keyed as a pinned one is (blocks.FileKey: real path, size, mtime), from the very
+read that returned its bytes: the store's native thread opens the file (checked under the
+dataset's roots, as any read of it is), fstat's it, reads it whole and fstat's it again, so
+the key names the file those bytes came from (a file that changed while it was read is not
+kept). A cold read therefore costs what it costs without the cache. A read of a name
+already cached first asks which file the name leads to now: an O_PATH open on a native
+thread (the name resolved and checked under the roots, the file stat'ed; no open or read
+on the file system); the same file (device, inode, size, mtime) is served from its tier,
+another is a miss, keyed anew (the log says so). A name swapped for a link out of the
+roots is therefore refused by the dataset's own read as before. Admission is the pinned
+subset's: whole files into memory while the budget has room (all of a file or none), then
+to the disk tier, then none. One read of a file at a time: the fill and an epoch wanting
+the same file share one read.
 
 On a local file system none of this happens (`plan`: the page cache is the cache there,
-and the per-read check would cost more than the read), unless `--cache-fill always`.
+and holding its files twice would buy nothing), unless `--cache-fill always`.
 
-The fill (`start_fill`): the dataset's files read whole in listing order, FILL_FILES at once
-on the store's own read path, from the dataset's first read on, on any mount that is not
-local (FUSE, NFS): a whole-file read is the very read an epoch makes, made once and early.
-`--cache-fill` always / never overrides.
+No fill by default: each file is kept by the epoch's read that wants it, which is the very
+read a fill would make (a whole file is as large a read as there is). `--cache-fill always`
+adds the fill (`start_fill`): the dataset's files read whole in listing order, FILL_FILES
+at once on the store's own read path, from the dataset's first read on.
 """
 
 from __future__ import annotations
@@ -26,12 +28,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import stat
 import threading
 import time
 from collections.abc import Sequence
 from typing import Any
 
+from ..storage.base import FileVersion
 from ..storage.readpath import LOCAL_FILE_SYSTEMS, mount_of
 from .block_cache import BlockCache
 from .blocks import BLOCK_BYTES, FileKey
@@ -53,7 +55,8 @@ class WholeFiles:
     def __init__(self, inner: Any, cache: BlockCache, name: str):
         self.inner, self.cache, self.name = inner, cache, name
         self.roots: tuple[str, ...] | None = getattr(inner, "roots", None)  # a ConfinedStore's; None: unconfined
-        self._keys: dict[str, FileKey] = {}
+        self._versions: dict[str, tuple[FileVersion, FileKey]] = {}  # name -> what it led to when read
+        self._reading: dict[str, asyncio.Future[bytes]] = {}  # names being read from storage now
         self._planned: list[str] = []
         self.fill_started = False
         self.fill_task: asyncio.Task | None = None
@@ -63,51 +66,92 @@ class WholeFiles:
         #: A local file system's files go straight to the store (`plan` decides, at open).
         self.bypass = False
 
-    # ---- keys ----------------------------------------------------------------------------
-    def _key_of(self, path: str) -> FileKey | None:
-        """The version the name points at now, if it lies under the roots (blocking)."""
-        real = os.path.realpath(path)
-        if self.roots is not None and not _under(real, self.roots):
-            return None  # the dataset's own read refuses it, with its error
-        try:
-            st = os.stat(real)
-        except OSError:
+    # ---- versions and keys ------------------------------------------------------------------
+    def _keyed(self, path: str, version: FileVersion | None) -> FileKey | None:
+        """Remember the version `path` led to; its cache key (None: no one version to keep,
+        or outside the roots)."""
+        if version is None or version.size < 0:
             return None
-        return FileKey(real, st.st_size, st.st_mtime_ns) if stat.S_ISREG(st.st_mode) else None
-
-    async def key(self, path: str) -> FileKey | None:
-        """The version `path` names now, checked on every read (a stat on the store's
-        threads: no read, no open); None when it is outside the roots or no file."""
-        key = await self.inner.pool.submit(self._key_of, path)
-        old = self._keys.get(path)
-        if key is not None and key != old:
-            self._keys[path] = key
+        if self.roots is not None and not _under(version.real, self.roots):
+            return None  # the dataset's own read refuses it, with its error
+        key = FileKey(version.real, version.size, version.mtime_ns)
+        old = self._versions.get(path)
+        if old is None or old[1] != key:
+            self._versions[path] = (version, key)
             self.cache.register(key, self.inner.url(path), scan_disk=False)
             if old is not None:
-                self.cache.release(old)
+                self.cache.release(old[1])
         return key
+
+    async def _cached_key(self, path: str) -> FileKey | None:
+        """The key of the file `path` names now, if a tier may hold it. Only a name read
+        before (or any, with a disk tier kept from an earlier run) is looked up, with one
+        O_PATH open on a native thread (no open or read on the file system): a cold read
+        costs no more than without the cache."""
+        known = self._versions.get(path)
+        if known is None and self.cache.disk is None:
+            return None
+        if known is not None and not self.cache.cached(known[1], 0):
+            return None
+        version = await self.inner.version(path)
+        if version is None:
+            return None
+        if known is not None and known[0].same_file(version):
+            return known[1]
+        key = self._keyed(path, version)  # another file now (the log says so), or first seen
+        return key if key is not None and self.cache.cached(key, 0) else None
+
+    async def _from_tiers(self, key: FileKey) -> bytes | None:
+        data = self.cache.from_memory(key, 0, key.size) if key.size else None
+        if data is None and key.size and self.cache.on_disk(key, 0, key.size):
+            got = await self.cache.run_io(self.cache.read_disk, key, [(0, key.size)])
+            data = got[0] if got is not None else None
+        return data
 
     # ---- reads ---------------------------------------------------------------------------
     async def read(self, path: str, counted: bool = True) -> bytes:
         """The whole file: from a tier when cached, else read by the dataset's store and kept."""
-        key = await self.key(path)
-        if key is not None:
-            data = self.cache.from_memory(key, 0, key.size) if key.size else None
-            if data is None and key.size and self.cache.on_disk(key, 0, key.size):
-                got = await self.cache.run_io(self.cache.read_disk, key, [(0, key.size)])
-                data = got[0] if got is not None else None
-            if data is not None:
-                if counted:
-                    self.cache.stats.hits += 1
-                    self.cache.stats.hit_bytes += len(data)
-                return data
-        data = await self.inner.read(path, 0, -1)
+        data = None
+        if path in self._versions or self.cache.disk is not None:  # else not cached: no lookup at all
+            key = await self._cached_key(path)
+            data = await self._from_tiers(key) if key is not None else None
+        if data is not None:
+            if counted:
+                self.cache.stats.hits += 1
+                self.cache.stats.hit_bytes += len(data)
+            return data
+        data, _ = await self._read_once(path, wait=not counted)
         if counted:
             self.cache.stats.misses += 1
             self.cache.stats.miss_bytes += len(data)
-        if key is not None and len(data) == key.size and key.size:
-            await self._admit(key, data, wait=not counted)
         return data
+
+    async def _read_once(self, path: str, wait: bool) -> tuple[bytes, bool | None]:
+        """`path` read from storage and admitted (True), refused for want of room (False),
+        or not admitted (None: no version to keep, or another read of it admits). One read
+        of a file at a time: a read that finds one in flight (the fill's, or the epoch's)
+        takes its bytes."""
+        shared = self._reading.get(path)
+        if shared is not None:
+            return (await asyncio.shield(shared)), None
+        mine: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
+        self._reading[path] = mine
+        try:
+            data, version = await self.inner.read_whole_versioned(path)
+            mine.set_result(data)
+        except BaseException as exc:
+            if isinstance(exc, Exception):
+                mine.set_exception(exc)
+                mine.exception()  # retrieved: no waiter is no error
+            else:
+                mine.cancel()
+            raise
+        finally:
+            self._reading.pop(path, None)
+        key = self._keyed(path, version)
+        if key is None or len(data) != key.size or not key.size or self.cache.cached(key, 0):
+            return data, None
+        return data, await self._admit(key, data, wait)
 
     async def _admit(self, key: FileKey, data: bytes, wait: bool) -> bool:
         """Keep a whole file: in memory while the budget has room (all of it or none), else
@@ -132,10 +176,7 @@ class WholeFiles:
     def plan(self, paths: Sequence[str]) -> None:
         """The dataset's files in listing order: what its fill reads. Called at open (blocking,
         off the loop): on a local file system, unless `--cache-fill always`, the files are not
-        cached at all. The kernel's page cache already serves them, and the key check every
-        read needs (a realpath and a stat on the store's threads) cost more than the read:
-        measured on ext4, 6,000 images of 64x64, 2.0-2.5x fewer samples/s and 1.9x the
-        server's CPU with it, even with every image in memory."""
+        cached at all: the kernel's page cache already serves them (bench/results/cache_local.md)."""
         self._planned = list(paths)
         if not self._planned or self.cache.sizes.fill == "always":
             return
@@ -149,32 +190,25 @@ class WholeFiles:
                      "cache serves its reads", self.name, mount.point, mount.fs_type)
 
     def start_fill(self) -> None:
-        """At the dataset's first whole-file read: its fill, if it planned one."""
+        """At the dataset's first whole-file read: its fill, with `--cache-fill always` only.
+        By default each file is kept by the epoch's read that wants it: a fill ahead reads
+        the very same files one read each (a whole file is the largest read there is), and
+        on a 2-core server over FUSE its reads beside the epoch's cost the cold epoch 10-20%
+        of its samples/s and bought the next epoch nothing (server/cache/README.md)."""
         if self.fill_started:
             return
         self.fill_started = True
-        if not self._planned or self.cache.sizes.fill == "never":
+        if not self._planned or self.cache.sizes.fill != "always":
+            if self._planned and self.cache.sizes.fill == "auto":
+                log.info("cache: no whole-file fill of dataset %s: each of its %d files is kept by the first read "
+                         "that wants it (--cache-fill always reads them all ahead)", self.name, len(self._planned))
             self.fill_done.set()
             return
         self.fill_task = asyncio.get_running_loop().create_task(self._fill(), name=f"croupier-fill-{self.name}")
 
-    async def _pays(self) -> bool:
-        if self.cache.sizes.fill == "always":
-            return True
-        dev = (await self.inner.pool.submit(os.stat, self._planned[0])).st_dev
-        if dev not in self.cache.fill_pays:
-            mount = mount_of(dev)
-            local = mount.fs_type in LOCAL_FILE_SYSTEMS
-            self.cache.fill_pays[dev] = not local
-            log.info("cache: %s whole-file fill on %s (%s)%s", "no" if local else "a", mount.point, mount.fs_type,
-                     ": a local file system, the kernel's page cache serves its reads" if local else "")
-        return self.cache.fill_pays[dev]
-
     async def _fill(self) -> None:
         t = time.perf_counter()
         try:
-            if not await self._pays():
-                return
             log.info("cache: whole-file fill of dataset %s started (%d files)", self.name, len(self._planned))
             todo = iter(self._planned)
             full = asyncio.Event()
@@ -183,15 +217,13 @@ class WholeFiles:
                 for path in todo:
                     if full.is_set() or self.closed or self.cache.closed:
                         return
-                    key = await self.key(path)
-                    if key is None or self.cache.cached(key, 0):
-                        continue
-                    data = await self.inner.read(path, 0, -1)
-                    if len(data) == key.size and key.size:
-                        if await self._admit(key, data, wait=True):
-                            self.filled += len(data)
-                        else:
-                            full.set()
+                    if path in self._reading or await self._cached_key(path) is not None:
+                        continue  # being read (its read admits it), or cached
+                    data, admitted = await self._read_once(path, wait=True)
+                    if admitted:
+                        self.filled += len(data)
+                    elif admitted is False:
+                        full.set()
 
             await asyncio.gather(*(worker() for _ in range(FILL_FILES)))
             secs = time.perf_counter() - t
@@ -205,6 +237,6 @@ class WholeFiles:
     def close(self) -> None:
         """The dataset closed: its files' memory blocks leave with their last reader."""
         self.closed = True
-        for key in self._keys.values():
+        for _, key in self._versions.values():
             self.cache.release(key)
-        self._keys.clear()
+        self._versions.clear()

@@ -20,12 +20,17 @@
  *                                               open + pread + close (size -1: whole file);
  *                                               with roots, -EXDEV if the file opened lies
  *                                               outside them
+ *   pool.submit_whole(token, path[, roots])      the whole file, and which file it was:
+ *                                               (bytes, real, dev, ino, size, mtime_ns)
+ *   pool.submit_identify(token, path[, roots])   which file `path` names now, without
+ *                                               reading it: (real, dev, ino, size, mtime_ns)
+ *                                               (opened O_PATH: no open request on FUSE)
  *   pool.submit_map(token, mapping, offset, size)
  *                                               a copy out of a read-only mapping (see below)
  *   pool.submit_direct(token, fd, offset, size, align)
  *                                               a read of an fd opened with O_DIRECT (see below)
  *   pool.fileno() -> eventfd, readable when completions wait
- *   pool.drain() -> [(token, bytes | -errno), ...]
+ *   pool.drain() -> [(token, bytes | tuple | -errno), ...]
  *   pool.close()
  * Threads start on demand, up to max_threads, and stay.
  *
@@ -107,7 +112,12 @@ typedef struct job {
     char *roots;      /* path jobs: NUL-separated folders the opened file must lie in, or NULL */
     size_t roots_len;
     long long align;  /* > 0: fd is opened with O_DIRECT, read in ranges aligned to this */
+    int kind;         /* JOB_READ, or path jobs that also say which file they read (the cache's keys) */
+    struct stat st;   /* JOB_WHOLE, JOB_IDENTIFY: the file opened; st_size -1 if it changed while read */
+    char *real;       /* JOB_WHOLE, JOB_IDENTIFY: its resolved path (the kernel's name for the fd) */
 } job;
+
+enum { JOB_READ = 0, JOB_WHOLE = 1, JOB_IDENTIFY = 2 };
 
 /* One native thread: sleeps on its own semaphore until `next` is handed to it. */
 typedef struct reader {
@@ -131,12 +141,16 @@ typedef struct {
 /* The kernel's name for the open file `fd` lies in one of `roots` (NUL-separated, each a
  * resolved folder): checked on the file opened, so a link swapped after any earlier
  * check cannot send the read elsewhere. */
-static int opened_under_roots(int fd, const char *roots, size_t roots_len) {
-    char proc[64], real[PATH_MAX + 1];
+static ssize_t fd_real_path(int fd, char real[PATH_MAX + 1]) {
+    char proc[64];
     snprintf(proc, sizeof proc, "/proc/self/fd/%d", fd);
     ssize_t n = readlink(proc, real, PATH_MAX);
+    real[n > 0 ? n : 0] = 0;
+    return n;
+}
+
+static int real_under_roots(const char *real, ssize_t n, const char *roots, size_t roots_len) {
     if (n <= 0) return 0;
-    real[n] = 0;
     for (const char *r = roots; r < roots + roots_len; r += strlen(r) + 1) {
         size_t rl = strlen(r);
         if (rl == 0) continue;
@@ -271,22 +285,43 @@ static void direct_job(job *j) {
     j->err = direct_read(j->fd, j->offset, j->size, j->align, &j->buf, &j->got);
 }
 
+/* Open a path job's file (O_PATH for JOB_IDENTIFY: a name resolved, nothing opened on
+ * the file system), check it, and keep which file it is for the kinds that say so. */
+static int open_checked(job *j) {
+    /* O_NONBLOCK: a FIFO named like a data file must not block this thread in open(). */
+    int flags = j->kind == JOB_IDENTIFY ? O_PATH | O_CLOEXEC : O_RDONLY | O_CLOEXEC | O_NONBLOCK | O_NOCTTY;
+    int fd = open(j->path, flags);
+    if (fd < 0) { j->err = errno; return -1; }
+    char real[PATH_MAX + 1];
+    ssize_t n = j->roots || j->kind != JOB_READ ? fd_real_path(fd, real) : 0;
+    struct stat st;
+    if (j->roots && !real_under_roots(real, n, j->roots, j->roots_len)) j->err = EXDEV;
+    else if (j->kind != JOB_READ && n <= 0) j->err = errno ? errno : ENOENT;
+    else if (fstat(fd, &st) != 0) j->err = errno;
+    else if (!S_ISREG(st.st_mode)) j->err = EISDIR;
+    else if (j->kind != JOB_READ && !(j->real = strndup(real, (size_t)n))) j->err = ENOMEM;
+    if (j->err) { close(fd); return -1; }
+    if (j->kind != JOB_READ) j->st = st;
+    if (j->size < 0) j->size = st.st_size > j->offset ? st.st_size - j->offset : 0;
+    return fd;
+}
+
 static void run_job(job *j) {
     if (j->map) { map_job(j); return; }
     if (j->align > 0) { direct_job(j); return; }
     int fd = j->fd, own = 0;
     if (fd < 0) {
-        /* O_NONBLOCK: a FIFO named like a data file must not block this thread in open(). */
-        fd = open(j->path, O_RDONLY | O_CLOEXEC | O_NONBLOCK | O_NOCTTY);
-        if (fd < 0) { j->err = errno; return; }
+        if ((fd = open_checked(j)) < 0) return;
         own = 1;
-        if (j->roots && !opened_under_roots(fd, j->roots, j->roots_len)) { j->err = EXDEV; close(fd); return; }
-        struct stat st;
-        if (fstat(fd, &st) != 0) { j->err = errno; close(fd); return; }
-        if (!S_ISREG(st.st_mode)) { j->err = EISDIR; close(fd); return; }
-        if (j->size < 0) j->size = st.st_size > j->offset ? st.st_size - j->offset : 0;
+        if (j->kind == JOB_IDENTIFY) { close(fd); return; }
     }
     pread_into(j, fd);
+    if (j->kind == JOB_WHOLE && !j->err) { /* changed while read: these bytes are no version to keep */
+        struct stat after;
+        if (fstat(fd, &after) != 0 || after.st_size != j->st.st_size || after.st_mtim.tv_sec != j->st.st_mtim.tv_sec
+            || after.st_mtim.tv_nsec != j->st.st_mtim.tv_nsec || j->got != j->st.st_size)
+            j->st.st_size = -1;
+    }
     if (own) close(fd);
 }
 
@@ -434,6 +469,9 @@ static PyObject *direct_alignment(PyObject *mod, PyObject *args) {
     return PyLong_FromLongLong(found);
 }
 
+static PyObject *submit_path_job(Pool *p, long long token, PyObject *path_obj, long long offset, long long size,
+                                 const char *roots, Py_ssize_t roots_len, int kind);
+
 static PyObject *Pool_submit_path(Pool *p, PyObject *args) {
     long long token, offset, size;
     PyObject *path_obj;
@@ -441,6 +479,24 @@ static PyObject *Pool_submit_path(Pool *p, PyObject *args) {
     Py_ssize_t roots_len = 0;
     if (!PyArg_ParseTuple(args, "LO&LL|y#", &token, PyUnicode_FSConverter, &path_obj, &offset, &size, &roots,
                           &roots_len)) return NULL;
+    return submit_path_job(p, token, path_obj, offset, size, roots, roots_len, JOB_READ);
+}
+
+static PyObject *submit_kind(Pool *p, PyObject *args, int kind) {
+    long long token;
+    PyObject *path_obj;
+    const char *roots = NULL;
+    Py_ssize_t roots_len = 0;
+    if (!PyArg_ParseTuple(args, "LO&|y#", &token, PyUnicode_FSConverter, &path_obj, &roots, &roots_len)) return NULL;
+    return submit_path_job(p, token, path_obj, 0, -1, roots, roots_len, kind);
+}
+
+static PyObject *Pool_submit_whole(Pool *p, PyObject *args) { return submit_kind(p, args, JOB_WHOLE); }
+static PyObject *Pool_submit_identify(Pool *p, PyObject *args) { return submit_kind(p, args, JOB_IDENTIFY); }
+
+/* Takes the reference to path_obj (an FS-converted bytes). */
+static PyObject *submit_path_job(Pool *p, long long token, PyObject *path_obj, long long offset, long long size,
+                                 const char *roots, Py_ssize_t roots_len, int kind) {
     if (offset < 0) { Py_DECREF(path_obj); PyErr_SetString(PyExc_ValueError, "offset must not be negative"); return NULL; }
     job *j = calloc(1, sizeof *j);
     if (!j) { Py_DECREF(path_obj); return PyErr_NoMemory(); }
@@ -454,7 +510,7 @@ static PyObject *Pool_submit_path(Pool *p, PyObject *args) {
         j->roots[roots_len] = 0;
         j->roots_len = (size_t)roots_len;
     }
-    j->token = token; j->fd = -1; j->offset = offset; j->size = size;
+    j->token = token; j->fd = -1; j->offset = offset; j->size = size; j->kind = kind;
     if (enqueue(p, j) != 0) { free(j->roots); free(j->path); free(j); PyErr_SetString(PyExc_RuntimeError, "the read pool is closed"); return NULL; }
     Py_RETURN_NONE;
 }
@@ -666,9 +722,22 @@ static PyObject *measure(PyObject *mod, PyObject *args) {
 static void free_job(job *j) {
     if (j->map) mapping_release(j->map);
     free(j->roots);
+    free(j->real);
     free(j->buf);
     free(j->path);
     free(j);
+}
+
+/* A finished job's result: its bytes, and for the kinds that say which file, that too. */
+static PyObject *job_value(job *j) {
+    long long mtime_ns = (long long)j->st.st_mtim.tv_sec * 1000000000LL + j->st.st_mtim.tv_nsec;
+    if (j->kind == JOB_IDENTIFY)
+        return Py_BuildValue("(y KKLL)", j->real, (unsigned long long)j->st.st_dev, (unsigned long long)j->st.st_ino,
+                             (long long)j->st.st_size, mtime_ns);
+    PyObject *data = PyBytes_FromStringAndSize(j->buf, (Py_ssize_t)j->got);
+    if (!data || j->kind == JOB_READ) return data;
+    return Py_BuildValue("(N yKKLL)", data, j->real, (unsigned long long)j->st.st_dev, (unsigned long long)j->st.st_ino,
+                         (long long)j->st.st_size, mtime_ns);
 }
 
 static PyObject *Pool_drain(Pool *p, PyObject *unused) {
@@ -683,7 +752,7 @@ static PyObject *Pool_drain(Pool *p, PyObject *unused) {
     if (!out) return NULL;
     while (j) {
         job *next = j->next;
-        PyObject *value = j->err ? PyLong_FromLong(-j->err) : PyBytes_FromStringAndSize(j->buf, (Py_ssize_t)j->got);
+        PyObject *value = j->err ? PyLong_FromLong(-j->err) : job_value(j);
         PyObject *item = value ? Py_BuildValue("(LN)", j->token, value) : NULL;
         if (!item || PyList_Append(out, item) != 0) {
             Py_XDECREF(item);
@@ -753,6 +822,10 @@ static void Pool_dealloc(Pool *p) {
 static PyMethodDef Pool_methods[] = {
     {"submit", (PyCFunction)Pool_submit, METH_VARARGS, "submit(token, fd, offset, size): pread on a thread"},
     {"submit_path", (PyCFunction)Pool_submit_path, METH_VARARGS, "submit_path(token, path, offset, size[, roots]): open, check, pread, close"},
+    {"submit_whole", (PyCFunction)Pool_submit_whole, METH_VARARGS,
+     "submit_whole(token, path[, roots]): the whole file and which it was: (bytes, real, dev, ino, size, mtime_ns)"},
+    {"submit_identify", (PyCFunction)Pool_submit_identify, METH_VARARGS,
+     "submit_identify(token, path[, roots]): which file path names now, unread: (real, dev, ino, size, mtime_ns)"},
     {"submit_map", (PyCFunction)Pool_submit_map, METH_VARARGS, "submit_map(token, mapping, offset, size): copy out of a Mapping on a thread"},
     {"submit_direct", (PyCFunction)Pool_submit_direct, METH_VARARGS,
      "submit_direct(token, fd, offset, size, align): read an O_DIRECT fd in align-aligned ranges on a thread"},

@@ -23,6 +23,7 @@ import asyncio
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 
 @dataclass(frozen=True)
@@ -31,6 +32,23 @@ class FileEntry:
 
     path: str
     size: int
+
+
+class FileVersion(NamedTuple):
+    """Which file a name led to, as the read that opened it saw it: its resolved path,
+    device, inode, size and mtime (size -1: it changed while it was read, so the bytes
+    read are no one version of it). The cache's key for a file read whole."""
+
+    real: str
+    dev: int
+    ino: int
+    size: int
+    mtime_ns: int
+
+    def same_file(self, other: "FileVersion") -> bool:
+        """The same file, unchanged (a name swapped for another file, or the file
+        rewritten, differs in one of these)."""
+        return (self.dev, self.ino, self.size, self.mtime_ns) == (other.dev, other.ino, other.size, other.mtime_ns)
 
 
 class StoreStats:
@@ -192,6 +210,26 @@ class Store(abc.ABC):
             return data
         finally:
             self.stats.finished(len(data), ok=ok)
+
+    async def read_whole_versioned(self, path: str) -> tuple[bytes, FileVersion | None]:
+        """The whole file and which version of it these bytes are, from the very read
+        that returned them (None: this store cannot say); counted as one read."""
+        self.stats.started()
+        ok, data = False, b""
+        try:
+            data, version = await self._read_whole_versioned(path)
+            ok = True
+            return data, version
+        finally:
+            self.stats.finished(len(data), ok=ok)
+
+    async def version(self, path: str) -> FileVersion | None:
+        """Which file `path` names now, without reading it (None: this store cannot
+        say); not a read."""
+        return None
+
+    async def _read_whole_versioned(self, path: str) -> tuple[bytes, FileVersion | None]:
+        return await self._read(path, 0, -1), None
 
     async def read_ranges(self, path: str, ranges: Sequence[Range]) -> list[bytes]:
         """Several ranges of one file at once (a store may coalesce neighbours)."""

@@ -32,8 +32,9 @@ import stat
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from .base import FileEntry, Range, Store
-from .local import LocalStore, _pread_all, scandir_names
+from .base import FileEntry, FileVersion, Range, Store
+from . import native
+from .local import LocalStore, _pread_all, fd_version, read_whole_versioned_fd, scandir_names
 from .native import roots_blob
 
 #: Linux: the kernel's path of an open descriptor, authoritative after symlinks.
@@ -210,11 +211,50 @@ class ConfinedStore(Store):
         try:
             return await self._native.pread_path(path, offset, size, self._roots_blob)
         except OSError as exc:
-            if exc.errno == errno.EXDEV:  # the native check: the file opened is outside
-                raise self._outside(path) from None
-            if exc.errno == errno.EISDIR:
-                raise IsADirectoryError(f"{path} is not a regular file") from None
-            raise
+            raise self._native_error(exc, path) from None
+
+    def _native_error(self, exc: OSError, path: str) -> Exception:
+        if exc.errno == errno.EXDEV:  # the native check: the file opened is outside
+            return self._outside(path)
+        if exc.errno == errno.EISDIR:
+            return IsADirectoryError(f"{path} is not a regular file")
+        return exc
+
+    async def _read_whole_versioned(self, path: str) -> tuple[bytes, FileVersion | None]:
+        if path in self._pins:
+            return await self.inner._read_whole_versioned(path)
+        if self._native is None:
+            return await self.inner.pool.submit(self._whole_checked, path)
+        try:
+            return native.whole_result(await self._native.read_whole(path, self._roots_blob))
+        except OSError as exc:
+            raise self._native_error(exc, path) from None
+
+    def _whole_checked(self, path: str) -> tuple[bytes, FileVersion]:
+        fd = self._open(path)
+        try:
+            return read_whole_versioned_fd(fd, path)
+        finally:
+            os.close(fd)
+
+    async def version(self, path: str) -> FileVersion | None:
+        """Which file `path` names now, if it lies under the roots; None otherwise (outside,
+        gone, no file: the dataset's own read then says which)."""
+        try:
+            if self._native is not None:
+                return native.identify_result(await self._native.identify(path, self._roots_blob))
+            return await self.inner.pool.submit(self._version_checked, path)
+        except OSError:
+            return None
+
+    def _version_checked(self, path: str) -> FileVersion | None:
+        fd = os.open(path, getattr(os, "O_PATH", os.O_RDONLY) | os.O_CLOEXEC)
+        try:
+            st = os.fstat(fd)
+            version = fd_version(fd, path, st)
+            return version if under(version.real, self.roots) and stat.S_ISREG(st.st_mode) else None
+        finally:
+            os.close(fd)
 
     async def _read_ranges(self, path: str, ranges: Sequence[Range]) -> list[bytes]:
         if self._native is not None:

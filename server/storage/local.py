@@ -32,7 +32,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 
-from .base import FileEntry, Range, Store
+from .base import FileEntry, FileVersion, Range, Store
 from . import native, readpath
 from .iopool import IOPool
 
@@ -118,6 +118,33 @@ def _pread_all(fd: int, offset: int, size: int) -> bytes:
     if len(parts) == 1:
         return parts[0]
     return b"".join(parts)
+
+
+def fd_version(fd: int, path: str, st: os.stat_result | None = None) -> FileVersion:
+    """Which file open `fd` (opened by `path`) is: the kernel's name for it, and its stat."""
+    st = st or os.fstat(fd)
+    real = os.readlink(f"/proc/self/fd/{fd}") if os.path.isdir("/proc/self/fd") else os.path.realpath(path)
+    return FileVersion(real, st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+
+
+def read_whole_versioned_fd(fd: int, path: str) -> tuple[bytes, FileVersion]:
+    """Open `fd` read whole, and which version those bytes are (size -1 when the file
+    changed while it was read): the Python pool's `NativeReadPool.read_whole`."""
+    version = fd_version(fd, path)
+    data = _pread_all(fd, 0, version.size)
+    after = os.fstat(fd)
+    if (after.st_size, after.st_mtime_ns) != (version.size, version.mtime_ns) or len(data) != version.size:
+        version = version._replace(size=-1)
+    return data, version
+
+
+def path_version(path: str) -> FileVersion:
+    """Which file `path` names now, opened O_PATH (no open on the file system)."""
+    fd = os.open(path, getattr(os, "O_PATH", os.O_RDONLY) | os.O_CLOEXEC)
+    try:
+        return fd_version(fd, path)
+    finally:
+        os.close(fd)
 
 
 def scandir_names(path: str, on_link: Callable[[str], object] | None = None) -> tuple[list[str], list[str]]:
@@ -469,6 +496,29 @@ class LocalStore(Store):
             return await self._native_read(path, offset, size)
         self.path_reads["pread"] += 1
         return await self.pool.submit(self._pread, path, offset, size)
+
+    async def _read_whole_versioned(self, path: str) -> tuple[bytes, FileVersion | None]:
+        if path in self._pinned:  # read by its path of choice; the cache keys pinned files itself
+            return await self._read(path, 0, -1), None
+        self.path_reads["pread"] += 1
+        if self.native is not None:
+            return native.whole_result(await self.native.read_whole(path))
+        return await self.pool.submit(self._whole_versioned, path)
+
+    def _whole_versioned(self, path: str) -> tuple[bytes, FileVersion]:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            return read_whole_versioned_fd(fd, path)
+        finally:
+            os.close(fd)
+
+    async def version(self, path: str) -> FileVersion | None:
+        try:
+            if self.native is not None:
+                return native.identify_result(await self.native.identify(path))
+            return await self.pool.submit(path_version, path)
+        except OSError:
+            return None  # gone, or no file: a read says so
 
     async def _read_ranges(self, path: str, ranges: Sequence[Range]) -> list[bytes]:
         if self.native is not None:

@@ -20,6 +20,8 @@ import os
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
+from .base import FileVersion
+
 try:
     from ._preadpool import Mapping, Pool as _NativePool, direct_alignment, measure
 except ImportError:  # built without a compiler: the Python pool serves instead
@@ -123,6 +125,22 @@ class NativeReadPool:
             self._pool.submit_path(token, path, offset, size, roots)
         return fut
 
+    def read_whole(self, path: str, roots: bytes | None = None) -> "asyncio.Future[tuple]":
+        """`path` read whole by a native thread, and which file that was (from the fd it
+        read: no second look that a swap could slip between); `roots` as `pread_path`.
+        Its result: see `whole_result`."""
+        token, fut = self._future()
+        self._pool.submit_whole(token, path, *(() if roots is None else (roots,)))
+        return fut
+
+    def identify(self, path: str, roots: bytes | None = None) -> "asyncio.Future[tuple]":
+        """Which file `path` names now (opened O_PATH on a native thread: a name resolved,
+        no open or read on the file system); `roots` as `pread_path`. Its result: see
+        `identify_result`."""
+        token, fut = self._future()
+        self._pool.submit_identify(token, path, *(() if roots is None else (roots,)))
+        return fut
+
     def pread_ranges(
         self,
         fd: int | None,
@@ -200,6 +218,16 @@ class _Group:
         self.left -= 1
         if self.left == 0:
             self.callback(self.parts, None)
+
+
+def whole_result(value: tuple) -> tuple[bytes, FileVersion]:
+    """A `read_whole` future's result as (bytes, FileVersion)."""
+    return value[0], FileVersion(os.fsdecode(value[1]), *value[2:])
+
+
+def identify_result(value: tuple) -> FileVersion:
+    """An `identify` future's result as a FileVersion."""
+    return FileVersion(os.fsdecode(value[0]), *value[1:])
 
 
 def _settle(fut: asyncio.Future[Any], value: bytes | int) -> None:

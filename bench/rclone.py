@@ -1,4 +1,5 @@
-"""A real `rclone mount` of a bucket of the loopback S3 server, with rclone's defaults.
+"""A real `rclone mount` of a bucket of the loopback S3 server, with rclone's defaults:
+how users reach a bucket through a FUSE mount (tests and benchmarks alike).
 
 `rclone_unusable()` says why not (None when usable): rclone is a Debian package
 (`apt-get install -y rclone`; .ci/run tries), and FUSE needs /dev/fuse and fusermount.
