@@ -23,10 +23,10 @@ Conditions (5 ms lognormal per read, sigma 0.5):
   costs (within an epoch, readahead pages still serve their neighbours). The 10% cache runs here.
 - fuse-raised: latencyfs with max_background 1024 (what a tuned mount allows), no page cache.
 - s3: the loopback S3 server (bench/s3server.py, its own process), no page cache exists.
-- rclone: that bucket through `rclone mount` with rclone's defaults (bench/rclone.py), the
-  path given to croupier; before every epoch the kernel's page cache dropped (drop_caches:
-  pages a process has mapped stay) and every file stat'ed (names warm, data cold: see
-  `cold_data_warm_names`). Storage reads: the S3 server's GETs.
+- rclone, s3fs: that bucket through `rclone mount` or `s3fs`, each with its defaults
+  (bench/bucket_mount.py), the path given to croupier; before every epoch the kernel's page
+  cache dropped (drop_caches: pages a process has mapped stay) and every file stat'ed (names
+  warm, data cold: see `cold_data_warm_names`). Storage reads: the S3 server's GETs.
 
 Target (issue 25): storage reads per delivered sample over `epochs` (3) epochs of data that
 fits, at most 1/3 + 0.05, i.e. the data read from storage at most once: measured in bytes
@@ -89,6 +89,8 @@ CONDITIONS = (
               ("on", "off"), True),
     Condition("s3", "loopback S3 server, 5 ms lognormal per request", ("on", "off"), False),
     Condition("rclone", "rclone mount (defaults) of the loopback S3 server's bucket, 5 ms lognormal per request, "
+              "page cache dropped before every epoch", ("on", "off"), True),
+    Condition("s3fs", "s3fs (defaults) mount of the loopback S3 server's bucket, 5 ms lognormal per request, "
               "page cache dropped before every epoch", ("on", "off"), True),
 )
 
@@ -192,11 +194,11 @@ def fuse_storage(src: Path, max_background: int, name: str) -> Iterator[Storage]
 
 
 @contextlib.contextmanager
-def s3_storage(src: Path, name: str, through_rclone: bool = False) -> Iterator[Storage]:
-    """The loopback S3 server holding `src` as s3://bench/ds; with `through_rclone`, that
-    bucket mounted by `rclone mount` (its defaults), the data given by its path there."""
+def s3_storage(src: Path, name: str, through: str | None = None) -> Iterator[Storage]:
+    """The loopback S3 server holding `src` as s3://bench/ds; `through` "rclone" or "s3fs":
+    that bucket mounted by that FUSE client (its defaults), the data given by its path there."""
     from . import s3server
-    from .rclone import rclone_mounted
+    from .bucket_mount import rclone_mounted, s3fs_mounted
 
     root = Path(tempfile.mkdtemp(prefix="cache-tier-s3-"))
     (root / "bench").mkdir()
@@ -208,11 +210,12 @@ def s3_storage(src: Path, name: str, through_rclone: bool = False) -> Iterator[S
         def counter() -> tuple[int, int]:
             s = server.stats()
             return s["by_method"].get("GET", 0), s["bytes"]
-        if not through_rclone:
+        if through is None:
             where = "s3://bench/ds" if name.endswith(".arrow") else f"s3://bench/ds/{name}"  # the table: its folder
             yield Storage(f"t={where}", counter, lambda: None, env)
             return
-        with rclone_mounted(server.endpoint, "bench", timeout=30) as mnt:
+        mount = rclone_mounted if through == "rclone" else s3fs_mounted
+        with mount(server.endpoint, "bench", timeout=30) as mnt:
             yield Storage(f"t={mnt / 'ds' / name}", counter, lambda: cold_data_warm_names(mnt / "ds"), {})
 
 
@@ -231,8 +234,8 @@ def cold_data_warm_names(root: Path) -> None:
 def run_condition(cond: Condition, src: Path, data_bytes: int, epochs: int, tmp: Path,
                   say: Callable[[str], None], name: str = "t.arrow") -> dict[str, Any]:
     res: dict[str, Any] = {"key": cond.key, "title": cond.title, "settings": {}}
-    if cond.key in ("s3", "rclone"):
-        storage: Any = s3_storage(src, name, through_rclone=cond.key == "rclone")
+    if cond.key in ("s3", "rclone", "s3fs"):
+        storage: Any = s3_storage(src, name, through=None if cond.key == "s3" else cond.key)
     else:
         storage = fuse_storage(src, RAISED if cond.key == "fuse-raised" else latencyfs.KERNEL_DEFAULT, name)
     with storage as st:

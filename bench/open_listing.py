@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 from . import s3server
-from .rclone import rclone_mounted
+from .bucket_mount import rclone_mounted
 
 
 def _tiny_jpeg() -> bytes:

@@ -28,11 +28,13 @@ from croupier.server.readers.listing import Progress
 from croupier.server.storage.local import LocalStore
 from croupier.server.storage.mounts import mount_of, object_store_mount, parse_mountinfo
 
-from croupier.bench.rclone import rclone_mounted, rclone_unusable
+from croupier.bench.bucket_mount import rclone_mounted, rclone_unusable, s3fs_mounted, s3fs_unusable
 from readers_data import png_bytes, write_imagefolder
 
 _RCLONE = rclone_unusable()
 needs_rclone = pytest.mark.skipif(_RCLONE is not None, reason=f"no rclone mount here: {_RCLONE}")
+_S3FS = s3fs_unusable()
+needs_s3fs = pytest.mark.skipif(_S3FS is not None, reason=f"no s3fs mount here: {_S3FS}")
 
 CLASSES = ("ant", "bee", "cat", "dog", "eel", "fox")
 PER_CLASS = 40
@@ -79,6 +81,24 @@ def test_an_rclone_mount_of_a_bucket_is_recognised_and_the_log_names_its_s3_url(
     assert f"serve s3://data/imgs instead (with AWS_ENDPOINT_URL={s3.endpoint})" in lines[0]
     assert "client rclone" in lines[0] and str(mnt) in lines[0]
     assert reader.object_store_mount == found
+    assert len(reader) == 3
+
+
+@needs_s3fs
+def test_an_s3fs_mount_of_a_bucket_is_recognised_from_its_command_line_and_the_log_names_its_s3_url(caplog) -> None:
+    with s3server.running(None, latency=2) as s3:
+        s3.create_bucket("data")
+        for i in range(3):
+            s3.put("data", f"imgs/cls{i}/{i}.png", png_bytes(i))
+        with s3fs_mounted(s3.endpoint, "data") as mnt:
+            found = object_store_mount(mnt / "imgs")
+            assert found is not None and found.client == "s3fs", found
+            assert found.mount.fs_type == "fuse.s3fs" and found.url == "s3://data/imgs", found
+            with caplog.at_level(logging.WARNING, logger="croupier.server.open"):
+                reader = open_dataset(mnt / "imgs", name="imgs", store=LocalStore(io_threads=4, native_pool=False))
+    lines = [r.getMessage() for r in caplog.records if r.name == "croupier.server.open"]
+    assert len(lines) == 1, lines
+    assert "serve s3://data/imgs instead" in lines[0] and "client s3fs" in lines[0] and str(mnt) in lines[0], lines
     assert len(reader) == 3
 
 

@@ -19,8 +19,9 @@ How each client shows in mountinfo (type, source), and where the bucket comes fr
 | blobfuse2 | fuse (or fuse.blobfuse2) | `blobfuse2` | its config file: not derived |
 | goofys, geesefs | fuse.goofys, fuse.geesefs | `bucket[:prefix]` | the source |
 
-Only rclone's row was checked against a real mount here (bench/s3server.py behind
-`rclone mount`); the others follow each client's documentation and source.
+The rclone and s3fs rows were checked against real mounts here (bench/s3server.py behind
+`rclone mount` and `s3fs`, tests/test_open_on_slow_storage.py); the others follow each
+client's documentation and source.
 """
 
 from __future__ import annotations
