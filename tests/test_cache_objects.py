@@ -26,7 +26,7 @@ from croupier.server.cache.blocks import BLOCK_BYTES
 from croupier.server.storage.objectstore import ObjectStore
 from croupier.server.storage.urls import clear_cache
 from cache_epochs import image_epoch
-from readers_data import expected_pixel
+from readers_data import expected_pixel, png_bytes, write_imagefolder
 from s3_fixtures import S3Backend
 
 
@@ -232,3 +232,36 @@ def test_reads_racing_the_fill_get_every_byte_right_and_later_ones_never_reach_t
     asyncio.run(go())
     store.close()
     cache.close()
+
+
+def test_an_image_folder_in_a_bucket_is_kept_by_its_first_epoch_under_its_listings_versions(
+    slow_s3: S3Backend, aws_env, serve_inprocess
+) -> None:
+    bucket = slow_s3.make_bucket()
+    root = Path(slow_s3.server.root) / bucket  # type: ignore[union-attr]
+    files = write_imagefolder(root / "imgs", 40, ("cat", "dog", "eel"))
+    total = sum((root / "imgs" / rel).stat().st_size for rel, _ in files)
+    srv = serve_inprocess(datasets=[f"imgs=s3://{bucket}/imgs"], cache_memory="64M")
+    [reader] = srv.running.catalog.readers()
+    cache = srv.running.catalog.cache
+    before = _requests(slow_s3)
+    image_epoch(srv.address, "imgs", 0, len(files))  # cold: one GET an image (no HEAD), each kept
+    assert _requests(slow_s3) - before == len(files) and cache.memory.resident == total
+    requests, hits = _requests(slow_s3), cache.stats.hits
+    image_epoch(srv.address, "imgs", 1, len(files))
+    assert _requests(slow_s3) == requests and cache.stats.hits == hits + len(files)  # not one request
+
+    # an image rewritten: a dataset opened on the new listing reads it again, the rest from memory
+    rel = files[7][0]
+    _put(slow_s3, bucket, f"imgs/{rel}", png_bytes(7) + b"\0" * 16, 2 * 10**18)
+    store = CachedObjectStore(reader.store.inner, cache, "again")
+    store.inner.list_dir(f"imgs/{rel.split('/')[0]}")  # the new open's listing of that folder
+
+    async def read_all() -> list[bytes]:
+        return [await store.read(f"imgs/{r}", 0, -1) for r, _ in files]
+
+    requests = _requests(slow_s3)
+    got = asyncio.run(read_all())
+    assert got[7] == png_bytes(7) + b"\0" * 16 and _requests(slow_s3) == requests + 1  # that image alone
+    assert [g for i, g in enumerate(got) if i != 7] == [(root / "imgs" / r).read_bytes() for i, (r, _) in enumerate(files) if i != 7]
+    store.close()

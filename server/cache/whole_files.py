@@ -49,6 +49,37 @@ def _under(real: str, roots: Sequence[str]) -> bool:
     return any(real == r or real.startswith(r.rstrip("/") + "/") for r in roots)
 
 
+async def from_tiers(cache: BlockCache, key: FileKey) -> bytes | None:
+    """A whole file (or object) cached under `key`: from memory, else from the disk tier."""
+    data = cache.from_memory(key, 0, key.size) if key.size else None
+    if data is None and key.size and cache.on_disk(key, 0, key.size):
+        got = await cache.run_io(cache.read_disk, key, [(0, key.size)])
+        data = got[0] if got is not None else None
+    return data
+
+
+async def admit(cache: BlockCache, key: FileKey, data: bytes, wait: bool) -> bool:
+    """Keep a whole file (or object): in memory while the budget has room (all of it or
+    none), else on disk. A direct read does not wait for the disk write; a fill does (its
+    pace)."""
+    memory = cache.memory
+    if memory.reserve(key.size):
+        for b in range(key.blocks()):
+            start, length = b * BLOCK_BYTES, key.block_length(b)
+            memory.admit(key.version_id, b, data[start:start + length] if key.blocks() > 1 else data, length)
+        return True
+    disk = cache.disk
+    if disk is None or not disk.writing:
+        return False
+    job = asyncio.get_running_loop().run_in_executor(cache.io, _to_disk, cache, key, data)
+    return await job if wait else True
+
+
+def _to_disk(cache: BlockCache, key: FileKey, data: bytes) -> bool:
+    return all(cache.store_block(key, b, data[b * BLOCK_BYTES:b * BLOCK_BYTES + key.block_length(b)])
+               for b in range(key.blocks()))
+
+
 class WholeFiles:
     """One dataset's files read whole: their keys, hits, admissions, and the fill."""
 
@@ -101,20 +132,13 @@ class WholeFiles:
         key = self._keyed(path, version)  # another file now (the log says so), or first seen
         return key if key is not None and self.cache.cached(key, 0) else None
 
-    async def _from_tiers(self, key: FileKey) -> bytes | None:
-        data = self.cache.from_memory(key, 0, key.size) if key.size else None
-        if data is None and key.size and self.cache.on_disk(key, 0, key.size):
-            got = await self.cache.run_io(self.cache.read_disk, key, [(0, key.size)])
-            data = got[0] if got is not None else None
-        return data
-
     # ---- reads ---------------------------------------------------------------------------
     async def read(self, path: str, counted: bool = True) -> bytes:
         """The whole file: from a tier when cached, else read by the dataset's store and kept."""
         data = None
         if path in self._versions or self.cache.disk is not None:  # else not cached: no lookup at all
             key = await self._cached_key(path)
-            data = await self._from_tiers(key) if key is not None else None
+            data = await from_tiers(self.cache, key) if key is not None else None
         if data is not None:
             if counted:
                 self.cache.stats.hits += 1
@@ -151,26 +175,7 @@ class WholeFiles:
         key = self._keyed(path, version)
         if key is None or len(data) != key.size or not key.size or self.cache.cached(key, 0):
             return data, None
-        return data, await self._admit(key, data, wait)
-
-    async def _admit(self, key: FileKey, data: bytes, wait: bool) -> bool:
-        """Keep a whole file: in memory while the budget has room (all of it or none), else
-        on disk. A direct read does not wait for the disk write; a fill does (its pace)."""
-        memory = self.cache.memory
-        if memory.reserve(key.size):
-            for b in range(key.blocks()):
-                start, length = b * BLOCK_BYTES, key.block_length(b)
-                memory.admit(key.version_id, b, data[start:start + length] if key.blocks() > 1 else data, length)
-            return True
-        disk = self.cache.disk
-        if disk is None or not disk.writing:
-            return False
-        job = asyncio.get_running_loop().run_in_executor(self.cache.io, self._to_disk, key, data)
-        return await job if wait else True
-
-    def _to_disk(self, key: FileKey, data: bytes) -> bool:
-        return all(self.cache.store_block(key, b, data[b * BLOCK_BYTES:b * BLOCK_BYTES + key.block_length(b)])
-                   for b in range(key.blocks()))
+        return data, await admit(self.cache, key, data, wait)
 
     # ---- the fill ------------------------------------------------------------------------
     def plan(self, paths: Sequence[str]) -> None:

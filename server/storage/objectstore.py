@@ -212,6 +212,9 @@ class ObjectStore(Store):
             raise ValueError(f"invalid bucket name {bucket!r}")
         self.scheme = scheme
         self.bucket = bucket
+        #: (size, ETag) of each object a listing showed, by path: the version a dataset opened
+        #: on a listing (an image folder) is keyed on by the cache, with no HEAD per object
+        self.listed: dict[str, tuple[int, str]] = {}
         opts = dict(options or {})
         self.coalesce_bytes = int(opts.pop("coalesce_bytes", DEFAULT_COALESCE_BYTES))
         fast_get = opts.pop("fast_get", None)
@@ -436,6 +439,7 @@ class ObjectStore(Store):
             raise self._error(e, path, "list it") from e
         dirs = sorted(p.rsplit("/", 1)[-1] for p in result["common_prefixes"])
         files = sorted((FileEntry(m["path"], int(m["size"])) for m in result["objects"]), key=lambda f: f.path)
+        self._remember(result["objects"])
         if key and not dirs and not files:
             raise FileNotFoundError(errno.ENOENT, "No such folder (no key starts with it)", self.url(path) + "/")
         return dirs, files
@@ -443,11 +447,15 @@ class ObjectStore(Store):
     def list_files(self, path: str) -> list[FileEntry]:
         key = self._key(path)
         try:
-            out = [FileEntry(m["path"], int(m["size"]))
-                   for chunk in obstore.list(self.client, key or None, chunk_size=1000) for m in chunk]
+            metas = [m for chunk in obstore.list(self.client, key or None, chunk_size=1000) for m in chunk]
         except Exception as e:
             raise self._error(e, path, "list it") from e
-        return sorted(out, key=lambda f: f.path)
+        self._remember(metas)
+        return sorted((FileEntry(m["path"], int(m["size"])) for m in metas), key=lambda f: f.path)
+
+    def _remember(self, metas: Sequence[Mapping[str, Any]]) -> None:
+        for m in metas:
+            self.listed[m["path"]] = (int(m["size"]), str(m.get("e_tag") or ""))
 
     def _read_range(self, path: str, offset: int, size: int) -> bytes:
         key = self._key(path)
