@@ -79,8 +79,14 @@ def test_files_on_a_local_disk_are_not_cached_their_reads_go_straight_to_the_sto
     forced = BlockCache(CacheSizes(memory_bytes=1 << 20, fill="always"))  # --cache-fill always: cached anyway
     store = CachedStore(ConfinedStore(LocalStore(io_threads=4), [str(tmp_path)]), forced, "t")
     store.plan_whole_files(paths)
-    assert asyncio.run(go()) == list(data.values())[:5]
-    assert store.fill_done(60) and forced.memory.resident == 40 * 3000  # the fill read them all
+
+    async def go_and_fill() -> list[bytes]:  # the fill runs on this loop: wait for it before it closes
+        got = await go()
+        assert await asyncio.to_thread(store.fill_done, 60)
+        return got
+
+    assert asyncio.run(go_and_fill()) == list(data.values())[:5]
+    assert forced.memory.resident == 40 * 3000  # the fill read them all
     store.close()
     forced.close()
 
