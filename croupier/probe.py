@@ -384,7 +384,7 @@ def probe_files(target: str, *, row_bytes: int, rows: str, max_bytes: int, max_c
             sweep(result, _file_step(result, pages, path_budget, row_bytes, bar), max_concurrency)
             _at_probe_concurrency(result, _file_step(result, pages, path_budget, row_bytes, bar))
             budget.left -= result.bytes
-    mount = readpath.mount_of(os.stat(pages.files[0].path).st_dev)
+    mount = readpath.mount_of(os.stat(pages.files[0].path).st_dev, pages.files[0].path)
     choice = _choice(mount, results, max_concurrency)
     limits = mount.fuse_limits()
     known = f", max_background={limits['max_background']}" if "max_background" in limits else ""
@@ -471,7 +471,7 @@ def _file_remedies(target: str, choice: readpath.Choice, want: int) -> list[str]
             out.append(f"{m.mount_point} is a {store_mount.client} mount of an object store; serve its bucket's "
                        f"URL instead (not derived: {store_mount.note})")
     if choice.capped():
-        out.append(readpath.remedy(choice.mount, want))
+        out.append(readpath.remedy(choice.mount, want, choice))
     return out
 
 

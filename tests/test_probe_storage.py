@@ -78,6 +78,23 @@ def test_kernel_default_cap_is_found_and_the_mapping_chosen(source: Path, capsys
 
 @needs_fuse
 @needs_native
+def test_a_daemon_that_serves_one_read_at_a_time_is_named_as_the_cap_not_max_background(source: Path, capsys) -> None:
+    # One libfuse worker: every request, page faults included, waits its turn in the
+    # daemon (as rclone mount serves a file's reads): max_background is not the cap.
+    before = _snapshot(source)
+    with latencyfs.mounted(source, median_ms=5, distribution="fixed", max_threads=1,
+                           max_background=latencyfs.KERNEL_DEFAULT) as fs:
+        rc, report, err = _probe(capsys, str(fs.path), "--max-concurrency", "64")
+        assert rc == 0, err
+    assert _snapshot(source) == before
+    pread, mmap = report["paths"]["pread"], report["paths"]["mmap"]
+    assert pread["ceiling_in_flight"] < 2 and mmap["ceiling_in_flight"] < 2, (pread, mmap)
+    assert any("the FUSE daemon itself completes only about 1 reads at once" in r for r in report["remedies"]), report
+    assert not any("echo 64" in r for r in report["remedies"]), report["remedies"]
+
+
+@needs_fuse
+@needs_native
 def test_raised_mount_keeps_preads(source: Path, capsys) -> None:
     report, stats = _mounted_probe(source, capsys, None)
     pread = report["paths"]["pread"]

@@ -121,7 +121,7 @@ class DatasetFill:
         mode = self.cache.sizes.fill
         if mode != "auto":
             return mode == "always"
-        mount = mount_of(dev)
+        mount = mount_of(dev, f.path)
         if mount.fs_type in LOCAL_FILE_SYSTEMS:
             log.info("cache: no fill on %s (%s): a local file system, the kernel's page cache serves its reads",
                      mount.point, mount.fs_type)
@@ -157,7 +157,7 @@ class DatasetFill:
         block_s = time.perf_counter() - t
         l0 = self.source.latency_of(dev) or _small_read_latency(fd, f.key.size)
         ok = pays(block_s, l0, f.key.block_length(block) or BLOCK_BYTES)
-        mount = mount_of(dev)
+        mount = mount_of(dev, f.path)
         log.info("cache: %s fill on %s (%s): a %d KiB block read in %.1f ms against %d small reads of %.2f ms",
                  "a" if ok else "no", mount.point, mount.fs_type, BLOCK_BYTES >> 10, block_s * 1e3,
                  max(1, BLOCK_BYTES // REPLACED_READ_BYTES), l0 * 1e3)

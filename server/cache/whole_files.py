@@ -186,7 +186,7 @@ class WholeFiles:
         if not self._planned or self.cache.sizes.fill == "always":
             return
         try:
-            mount = mount_of(os.stat(self._planned[0]).st_dev)
+            mount = mount_of(os.stat(self._planned[0]).st_dev, self._planned[0])
         except OSError:  # gone since the listing: the read will say so; cache as elsewhere
             return
         if mount.fs_type in LOCAL_FILE_SYSTEMS:

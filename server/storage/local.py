@@ -278,7 +278,7 @@ class LocalStore(Store):
         choice = self._mounts.get(st.st_dev)
         if choice is not None:
             return choice
-        mount = readpath.mount_of(st.st_dev)
+        mount = readpath.mount_of(st.st_dev, path)
         if self.native is None:
             choice = readpath.Choice(mount, "pread", "the Python read pool has preads only", asked=self.io_threads)
         elif self.read_path != "auto":

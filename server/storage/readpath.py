@@ -119,11 +119,16 @@ class Mount:
         return out
 
 
-def mount_of(device: int) -> Mount:
-    """The mount whose files have st_dev `device` (the last such line of mountinfo,
-    parsed by mounts.py)."""
+def mount_of(device: int, path: str | None = None) -> Mount:
+    """The mount whose files have st_dev `device`: the one holding `path` when given (a
+    device bind-mounted in several places shows under each), else the last such line of
+    mountinfo (parsed by mounts.py)."""
     want = f"{os.major(device)}:{os.minor(device)}"
     found = Mount(device, "?", "unknown", "?")
+    if path is not None:
+        holder = mounts.mount_of(path)
+        if holder is not None and holder.device == want:
+            return Mount(device, holder.mount_point, holder.fs_type, holder.source)
     try:
         with open(mounts.MOUNTINFO) as f:
             text = f.read()
@@ -264,8 +269,24 @@ def _time(choice: Choice, path: str, fd: int, mapping, offsets: list[int], c: in
     choice.ceilings[path] = min(float(c), rate * choice.latency_s)
 
 
-def remedy(mount: Mount, want: int) -> str:
-    """What would raise a mount's cap on concurrent reads."""
+def daemon_bound(choice: Choice) -> bool:
+    """A FUSE mount whose page faults got no further than its preads: page faults are
+    synchronous requests, outside the kernel's max_background, so the cap is the FUSE
+    daemon's own (rclone mount with its defaults serves about one read of a file at a time:
+    bench/results/readpaths-bucket-mounts.md)."""
+    c = choice.ceilings
+    return (choice.mount.is_fuse and "pread" in c and "mmap" in c and choice.probe_concurrency > 0
+            and c["mmap"] < MARGIN * c["pread"] and c["mmap"] < _UNCAPPED_SHARE * choice.probe_concurrency)
+
+
+def remedy(mount: Mount, want: int, choice: Choice | None = None) -> str:
+    """What would raise a mount's cap on concurrent reads (`choice`: its measurement, which
+    tells a daemon's own cap from the kernel's)."""
+    if choice is not None and daemon_bound(choice):
+        return (f"the FUSE daemon itself completes only about {choice.ceilings['mmap']:.0f} reads at once, whatever "
+                "the read path (page faults, which the kernel's max_background does not cap, got no further than "
+                "preads): raising max_background would not help; the daemon's own options might (its worker "
+                "threads, its read-ahead), or read the data without the mount")
     if mount.is_fuse:
         return (f"mount it with -o max_background={want} (if the FUSE file system passes it on), or as root "
                 f"`echo {want} > {mount.fuse_connection()}/max_background` (needs fusectl mounted at /sys/fs/fuse/connections)")
@@ -285,7 +306,7 @@ def report(choice: Choice) -> None:
         "storage: %s (%s) completes only about %.0f reads at once with preads%s, croupier asks for up to %d; "
         "measured at %.1f ms a read: %s; reading it by %s. To raise the cap: %s",
         m.point, m.fs_type, choice.ceilings["pread"], known, choice.asked, choice.latency_s * 1e3, rates,
-        PATH_WORDS[choice.path] if choice.path != "pread" else "preads all the same", remedy(m, choice.asked),
+        PATH_WORDS[choice.path] if choice.path != "pread" else "preads all the same", remedy(m, choice.asked, choice),
     )
 
 
