@@ -30,6 +30,8 @@ class CachedObjectStore(CachedStore):
     def __init__(self, inner: Any, cache: Any, name: str = ""):
         super().__init__(inner, cache, name, owns_inner=False)
         self._whole: dict[str, FileKey] = {}  # objects read whole -> the version their listing showed
+        if getattr(inner, "listed", {}) is None:
+            inner.listed = {}  # the bucket's listings keep each object's version from now on
 
     async def read(self, path: str, offset: int, size: int) -> bytes:
         if offset == 0 and size < 0 and path not in self._keys:
@@ -43,7 +45,7 @@ class CachedObjectStore(CachedStore):
         pinned objects, the samples' GETs carry no ETag check)."""
         key = self._whole.get(path)
         if key is None:
-            listed = getattr(self.inner, "listed", {}).get(path)
+            listed = (getattr(self.inner, "listed", None) or {}).get(path)
             if listed is not None:
                 key = self._whole[path] = FileKey.of_object(self.inner.url(path), *listed)
                 self.cache.register(key, key.real_path, scan_disk=False)
@@ -63,8 +65,10 @@ class CachedObjectStore(CachedStore):
 
     def forget_whole_files(self) -> None:
         """The dataset closed: its objects' memory blocks leave with their last reader."""
-        for key in self._whole.values():
+        listed = getattr(self.inner, "listed", None) or {}
+        for path, key in self._whole.items():
             self.cache.release(key)
+            listed.pop(path, None)  # a dataset opened again lists again
         self._whole.clear()
 
     def close(self) -> None:

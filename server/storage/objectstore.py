@@ -212,9 +212,10 @@ class ObjectStore(Store):
             raise ValueError(f"invalid bucket name {bucket!r}")
         self.scheme = scheme
         self.bucket = bucket
-        #: (size, ETag) of each object a listing showed, by path: the version a dataset opened
-        #: on a listing (an image folder) is keyed on by the cache, with no HEAD per object
-        self.listed: dict[str, tuple[int, str]] = {}
+        #: (size, ETag) of each object a listing showed, by path, once the server's cache asks
+        #: (None: not kept): the version a dataset opened on a listing (an image folder) is
+        #: keyed on by the cache, with no HEAD per object
+        self.listed: dict[str, tuple[int, str]] | None = None
         opts = dict(options or {})
         self.coalesce_bytes = int(opts.pop("coalesce_bytes", DEFAULT_COALESCE_BYTES))
         fast_get = opts.pop("fast_get", None)
@@ -454,8 +455,9 @@ class ObjectStore(Store):
         return sorted((FileEntry(m["path"], int(m["size"])) for m in metas), key=lambda f: f.path)
 
     def _remember(self, metas: Sequence[Mapping[str, Any]]) -> None:
-        for m in metas:
-            self.listed[m["path"]] = (int(m["size"]), str(m.get("e_tag") or ""))
+        if self.listed is not None:
+            for m in metas:
+                self.listed[m["path"]] = (int(m["size"]), str(m.get("e_tag") or ""))
 
     def _read_range(self, path: str, offset: int, size: int) -> bytes:
         key = self._key(path)
