@@ -11,8 +11,8 @@ on the file system); the same file (device, inode, size, mtime) is served from i
 another is a miss, keyed anew (the log says so). A name swapped for a link out of the
 roots is therefore refused by the dataset's own read as before. Admission is the pinned
 subset's: whole files into memory while the budget has room (all of a file or none), then
-to the disk tier, then none. One read of a file at a time: the fill and an epoch wanting
-the same file share one read.
+to the disk tier, then none. While a fill runs, the fill and an epoch wanting the same
+file share one read.
 
 On a local file system none of this happens (`plan`: the page cache is the cache there,
 and holding its files twice would buy nothing), unless `--cache-fill always`.
@@ -152,12 +152,15 @@ class WholeFiles:
 
     async def _read_once(self, path: str, wait: bool) -> tuple[bytes, bool | None]:
         """`path` read from storage and admitted (True), refused for want of room (False),
-        or not admitted (None: no version to keep, or another read of it admits). One read
-        of a file at a time: a read that finds one in flight (the fill's, or the epoch's)
-        takes its bytes."""
+        or not admitted (None: no version to keep, or another read of it admits). While a fill
+        runs, one read of a file at a time: a read that finds one in flight (the fill's, or
+        the epoch's) takes its bytes."""
         shared = self._reading.get(path)
         if shared is not None:
             return (await asyncio.shield(shared)), None
+        if self.fill_task is None or self.fill_task.done():  # nothing else reads files ahead: no one to share with
+            data, version = await self.inner.read_whole_versioned(path)
+            return data, await self._keep(path, data, version, wait)
         mine: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
         self._reading[path] = mine
         try:
@@ -172,10 +175,14 @@ class WholeFiles:
             raise
         finally:
             self._reading.pop(path, None)
+        return data, await self._keep(path, data, version, wait)
+
+    async def _keep(self, path: str, data: bytes, version: FileVersion | None, wait: bool) -> bool | None:
+        """Admit what a read of `path` returned (see `_read_once`)."""
         key = self._keyed(path, version)
         if key is None or len(data) != key.size or not key.size or self.cache.cached(key, 0):
-            return data, None
-        return data, await admit(self.cache, key, data, wait)
+            return None
+        return await admit(self.cache, key, data, wait)
 
     # ---- the fill ------------------------------------------------------------------------
     def plan(self, paths: Sequence[str]) -> None:
