@@ -9,6 +9,7 @@ threads that issued them; skipped, with the reason, where FUSE cannot be mounted
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import os
 import random
 import threading
@@ -86,23 +87,26 @@ def test_a_probe_beside_a_busy_server_still_finds_the_cap_counting_only_its_own_
     # Their CPU must not pass for the probe's own: preads that wait on a capped mount are
     # not CPU-bound, whatever the process's CPU clock says.
     stop = threading.Event()
+    block = bytes(1 << 20)
 
-    def spin() -> None:
+    def spin() -> None:  # hashing 1 MiB releases the GIL: two of these keep up to two cores busy
         while not stop.is_set():
-            sum(range(10_000))
+            hashlib.sha256(block).digest()
 
     with latencyfs.mounted(source, median_ms=20, distribution="fixed", max_background=latencyfs.KERNEL_DEFAULT) as fs:
         store = LocalStore(io_threads=256, read_path="auto")
-        busy = threading.Thread(target=spin, daemon=True)
+        burners = [threading.Thread(target=spin, daemon=True) for _ in range(2)]
         try:
-            busy.start()
+            for busy in burners:
+                busy.start()
             cpu0, t0 = time.process_time(), time.monotonic()
             store.pin(str(fs.path / "data.bin"))
             process_cores = (time.process_time() - cpu0) / (time.monotonic() - t0)
             [choice] = store.read_paths()
         finally:
             stop.set()
-            busy.join()
+            for busy in burners:
+                busy.join()
             store.close()
     assert process_cores >= 0.5, process_cores  # the process was busy: its CPU clock alone would say CPU-bound
     assert choice.cpu_cores["pread"] < 0.5, choice  # the probe's reading threads waited on the mount
@@ -238,3 +242,33 @@ def test_every_format_delivers_each_sample_exactly_once_per_epoch_on_the_mapped_
         assert sorted(seen) == list(range(n)), (kind, epoch)
     [reader] = [r for r in srv.running.catalog.readers()]
     assert reader.store.path_reads[path] > 0 and reader.store.path_reads["pread"] == 0, reader.store.path_reads
+
+
+@needs_native
+def test_a_mapping_a_path_change_replaces_stays_readable_until_the_file_is_unpinned(source: Path) -> None:
+    # A path change (a mount probed again) runs on its own thread while the loop may be
+    # submitting a read on the mapping it just looked up: that mapping must stay open until
+    # the file is unpinned, or the read fails ("the mapping is closed").
+    path = str(source / "data.bin")
+    store = LocalStore(io_threads=8, read_path="mmap")
+    try:
+        store.pin(path)
+        held = store._maps[path]  # what a read on the loop has just looked up
+        [choice] = store.read_paths()
+        changed = threading.Thread(target=store._switch,
+                                   args=(os.stat(path).st_dev, readpath.Choice(choice.mount, "pread", "probed again")))
+        changed.start()
+        changed.join()
+        assert path not in store._maps  # new reads go by preads
+
+        async def read_held() -> bytes:
+            return await store.native.map_read(held, 4096 * 3 + 100, 1000)
+
+        assert asyncio.run(read_held()) == (source / "data.bin").read_bytes()[4096 * 3 + 100:4096 * 3 + 1100]
+        assert _read_pages(store, path, [5, 9])[0] == [(source / "data.bin").read_bytes()[p * PAGE + 100:p * PAGE + 1100]
+                                                       for p in (5, 9)]
+        store.unpin(path)
+        with pytest.raises(ValueError, match="closed"):
+            asyncio.run(read_held())  # closed with the pin
+    finally:
+        store.close()

@@ -31,6 +31,7 @@ import stat
 import threading
 import time
 from collections.abc import Callable, Sequence
+from typing import Any
 
 from .base import FileEntry, FileVersion, Range, Store
 from . import native, readpath
@@ -118,6 +119,15 @@ def _pread_all(fd: int, offset: int, size: int) -> bytes:
     if len(parts) == 1:
         return parts[0]
     return b"".join(parts)
+
+
+def _close_retired(left: list[Any]) -> None:
+    """Close what a path change or a remap left: O_DIRECT fds and mappings."""
+    for old in left:
+        if isinstance(old, int):
+            os.close(old)
+        else:
+            old.close()  # a Mapping: unmapped once reads in flight land
 
 
 def fd_version(fd: int, path: str, st: os.stat_result | None = None) -> FileVersion:
@@ -222,7 +232,9 @@ class LocalStore(Store):
         self._revisit = (revisit_window_s, revisit_interval_s)
         self._dev_of: dict[str, int] = {}  # pinned path -> st_dev of its mount
         self._watches: dict[int, readpath.Watch] = {}  # st_dev -> its watch, for measured mounts
-        self._retired: dict[str, list[int]] = {}  # path -> O_DIRECT fds a path change left, closed at unpin
+        #: path -> what a path change or a remap left (O_DIRECT fds, mappings), closed at unpin:
+        #: the loop may be submitting a read on one right now (changes happen on other threads)
+        self._retired: dict[str, list[Any]] = {}
         #: (mount point, old path, new path) of each change made online, in order.
         self.revisits: list[tuple[str, str, str]] = []
         self._revisit_threads: list[threading.Thread] = []
@@ -368,10 +380,10 @@ class LocalStore(Store):
                     new.path = "pread"
                 else:
                     self._direct[path] = direct
-            if new.path != "mmap" and path in self._maps:
-                self._maps.pop(path).close()  # type: ignore[attr-defined]
             if new.path != "direct" and path in self._direct:
                 self._retired.setdefault(path, []).append(self._direct.pop(path).fd)
+            if new.path != "mmap" and path in self._maps:
+                self._retired.setdefault(path, []).append(self._maps.pop(path))
 
     def join_revisits(self, timeout: float | None = None) -> None:
         """Wait for the mounts being probed again (tests, shutdown)."""
@@ -388,7 +400,7 @@ class LocalStore(Store):
         old = self._maps.get(path)
         if old is not None and os.fstat(self._pinned[path]).st_size > old.size:  # type: ignore[attr-defined]
             self._maps[path] = native.Mapping(self._pinned[path])
-            old.close()  # type: ignore[attr-defined]
+            self._retired.setdefault(path, []).append(old)
 
     def pinned_fd(self, path: str) -> int | None:
         """The descriptor `pin` keeps open for `path` (None: not pinned)."""
@@ -408,8 +420,7 @@ class LocalStore(Store):
                 direct = self._direct.pop(path, None)
                 if direct is not None:
                     os.close(direct.fd)
-                for old in self._retired.pop(path, []):
-                    os.close(old)
+                _close_retired(self._retired.pop(path, []))
                 self._dev_of.pop(path, None)
                 os.close(self._pinned.pop(path))
 
@@ -572,9 +583,8 @@ class LocalStore(Store):
             for direct in self._direct.values():
                 os.close(direct.fd)
             self._direct.clear()
-            for fds in self._retired.values():
-                for old in fds:
-                    os.close(old)
+            for left in self._retired.values():
+                _close_retired(left)
             self._retired.clear()
             self._dev_of.clear()
             self._watches.clear()
