@@ -22,13 +22,17 @@ from __future__ import annotations
 import asyncio
 import bisect
 import collections
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import pyarrow as pa
 
 from ..storage import Store
-from .base import DatasetError, DatasetInfo, Reader, SampleError, TablePayload, dataset_files
+from ..storage.mounts import mount_of
+from ..storage.readpath import LOCAL_FILE_SYSTEMS
+from .base import DatasetError, DatasetInfo, Reader, SampleError, TablePayload, dataset_files, item_nbytes
 from .ipc_layout import IPCLayout, read_layouts
 from .ipc_rows import DEFAULT_PAGE_CACHE_BYTES, PAGE_BYTES, Codec, CorruptRow, Node, PageCache, Unsupported, Walk
 from .ipc_rows import buffer_count, make_codecs, node_count
@@ -52,6 +56,19 @@ class RowItem:
     nodes: list[Node]
     nbytes: int
     names: tuple[str, ...]
+
+
+def _on_local_file_system(path: str) -> bool:
+    """On a block or memory file system (storage/readpath.py's LOCAL_FILE_SYSTEMS), whose
+    reads land within microseconds: there groups of reads pay (server/stream/read_groups.py)."""
+    mount = mount_of(path)
+    return mount is not None and mount.fs_type in LOCAL_FILE_SYSTEMS
+
+
+def _item_bytes(item: RowItem | pa.RecordBatch) -> int:
+    """A row's bytes as its read counted them (base.item_nbytes asks its type three times
+    first, once per sample on the event loop); a whole batch's by Arrow."""
+    return item.nbytes if type(item) is RowItem else item_nbytes(item)
 
 
 class TableReader(Reader):
@@ -80,6 +97,7 @@ class TableReader(Reader):
         self.files = list(files)
         for f in self.files:
             self.store.pin(f)  # read row by row for the dataset's life: keep it open
+        self.reads_in_groups = self.store.scheme == "file" and all(_on_local_file_system(f) for f in self.files)
         self.layouts: list[IPCLayout] = read_layouts(self.store, self.files, cache_dir)
         first = self.layouts[0].schema
         for layout in self.layouts[1:]:
@@ -234,38 +252,69 @@ class TableReader(Reader):
             item.nbytes += s
         return None
 
+    def item_sizer(self, columns: Sequence[str] = ()):
+        return _item_bytes
+
     def start_read(self, index: int, columns: Sequence[str], done) -> bool:
-        """A warm row (its batch's structural pages cached) without a coroutine: the walk
-        runs here and the range read's future calls `done`. Cold rows await `read`."""
-        if not self._codecs or not 0 <= index < self.num_rows:
-            return False
-        f, b, r = self._locate(index)
+        """A warm row (its batch's structural pages cached) without a coroutine: a group
+        of one (`start_reads`). Cold rows await `read`."""
+        return not self.start_reads((index,), columns, lambda results: done(results[0][1], results[0][2]))
+
+    def start_reads(self, indices: Sequence[int], columns: Sequence[str], done) -> Sequence[int]:
+        """Warm rows of `indices` with one `submit_ranges` per file (every row's value
+        ranges in one call, one callback); cold rows (pages missing) are left to `read`."""
+        if not self._codecs:
+            return range(len(indices))
         names, codecs = self._codecs_of(columns)
-        w = Walk(f, b, self.batch_layout(f, b), self.pages)
-        try:
-            nodes = [c.walk(w, r, r + 1) for c in codecs]
-        except CorruptRow as exc:
-            done(None, SampleError(f"{self._row_name(index, f, b, r)}, column {exc.column!r}: {exc}", index, self.path))
-            return True
-        if w.missing:
-            return False
-        item = RowItem(index, nodes, 16 * len(codecs), names)  # type: ignore[arg-type]
-        if not w.fetch:
-            done(item, None)
-            return True
-        fetch = w.fetch
+        per_row, pages, layouts, num_rows = 16 * len(codecs), self.pages, self.layouts, self.num_rows
+        cold: list[int] = []
+        known: list[tuple[int, Any, BaseException | None]] = []  # rows that need no read
+        groups: dict[int, tuple[list[tuple[int, int]], list[tuple[int, RowItem, list, int, int]]]] = {}
+        for pos, index in enumerate(indices):
+            if not 0 <= index < num_rows:
+                cold.append(pos)  # `read` raises the error naming it
+                continue
+            f, b, r = self._locate(index)
+            w = Walk(f, b, layouts[f].batches[b], pages)
+            try:
+                nodes = [c.walk(w, r, r + 1) for c in codecs]
+            except CorruptRow as exc:
+                known.append((pos, None, SampleError(
+                    f"{self._row_name(index, f, b, r)}, column {exc.column!r}: {exc}", index, self.path)))
+                continue
+            if w.missing:
+                cold.append(pos)
+                continue
+            item = RowItem(index, nodes, per_row, names)  # type: ignore[arg-type]
+            if not w.fetch:
+                known.append((pos, item, None))
+                continue
+            group = groups.get(f)
+            if group is None:
+                group = groups[f] = ([], [])
+            group[0].extend([(o, s) for o, s, _ in w.fetch])
+            group[1].append((pos, item, w.fetch, b, r))
+        for f, (ranges, rows) in groups.items():
+            if not self.store.submit_ranges(self.files[f], ranges, functools.partial(self._landed, f, rows, done)):
+                cold.extend(row[0] for row in rows)
+        if known:
+            done(known)
+        return cold
 
-        def landed(parts: list[bytes] | None, err: BaseException | None) -> None:
-            if err is not None:
-                done(None, SampleError(f"{self._row_name(index, f, b, r)}: cannot read: {err}", index, self.path))
-                return
-            error = self._fill(item, fetch, parts, f, b, r)  # type: ignore[arg-type]
-            if error is not None:
-                done(None, error)
-            else:
-                done(item, None)
-
-        return self.store.submit_ranges(self.files[f], [(o, s) for o, s, _ in fetch], landed)
+    def _landed(self, f: int, rows: list, done, parts: list[bytes] | None, err: BaseException | None) -> None:
+        """A group's ranges are in: each row's item, or the error naming its row."""
+        if err is not None:
+            done([(pos, None, SampleError(f"{self._row_name(item.index, f, b, r)}: cannot read: {err}", item.index,
+                                          self.path)) for pos, item, _, b, r in rows])
+            return
+        results: list[tuple[int, Any, BaseException | None]] = []
+        at = 0
+        for pos, item, fetch, b, r in rows:
+            n = len(fetch)
+            error = self._fill(item, fetch, parts[at:at + n] if n > 1 else (parts[at],), f, b, r)  # type: ignore[index]
+            at += n
+            results.append((pos, None, error) if error is not None else (pos, item, None))
+        done(results)
 
     def batch_layout(self, f: int, b: int):
         return self.layouts[f].batches[b]

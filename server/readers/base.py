@@ -128,6 +128,9 @@ class Reader(abc.ABC):
     format: ClassVar[str]
     #: False when `read` does no I/O at all (the scheduler may then skip the await).
     read_does_io: ClassVar[bool] = True
+    #: True when the scheduler should issue reads in groups (`start_reads`): where reads
+    #: land at once (a local disk), not where a group's slowest read would hold the rest.
+    reads_in_groups: bool = False
 
     def __init__(
         self, name: str, path: str, executor: concurrent.futures.Executor | None = None, store: Store | None = None
@@ -184,6 +187,18 @@ class Reader(abc.ABC):
         means it was not started: await `read` instead. The scheduler uses it to avoid
         a task per sample."""
         return False
+
+    def start_reads(
+        self, indices: Sequence[int], columns: Sequence[str],
+        done: Callable[[list[tuple[int, Any, BaseException | None]]], None],
+    ) -> Sequence[int]:
+        """Optional fast path for a group of reads: begin those of `indices` it can with
+        one storage call per file and call `done(results)` once per such call (and once
+        for rows known without a read, possibly at once), each result (position in
+        `indices`, item, error). Returns the positions it did not start (the default:
+        all), which the scheduler reads one by one. What a group costs in Python is then
+        paid once per group, not once per sample; its samples complete together."""
+        return range(len(indices))
 
     def read_now(self, index: int) -> Any:
         """The item of `index` without awaiting: only for readers whose read does no I/O."""

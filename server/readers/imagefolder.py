@@ -9,12 +9,12 @@ extension is one of IMAGE_EXTENSIONS, in any case.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 from ..storage import Store, default_local_store
 from ..storage.mounts import object_store_mount_client
 from .base import DatasetError, DatasetInfo, ImagePayload, Reader
-from .images import IMAGE_EXTENSIONS, ImageItem, checked_format, image_payload, is_image_name, read_bytes
+from .images import IMAGE_EXTENSIONS, ImageItem, checked_format, image_nbytes, image_payload, is_image_name, read_bytes
 from .listing import Progress, Tree
 from .tree_cache import cached_tree
 
@@ -92,6 +92,9 @@ class ImageFolderReader(Reader):
         where = self.store.url(path)
         data = await read_bytes(self.store, path, index, where)
         return ImageItem(index, data, self.labels[index], checked_format(data, index, where), key, where)
+
+    def item_sizer(self, columns: Sequence[str] = ()) -> Callable[[ImageItem], int]:
+        return image_nbytes
 
     def close(self) -> None:
         forget = getattr(self.store, "forget_whole_files", None)  # the server's cache lets this dataset's images go

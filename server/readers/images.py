@@ -53,6 +53,12 @@ async def read_bytes(store: Store, path: str, index: int, where: str, offset: in
     return data
 
 
+def image_nbytes(item: ImageItem) -> int:
+    """The bytes an image item adds to a chunk: its file's (base.item_nbytes would walk
+    every field of the tuple, once per sample on the event loop)."""
+    return len(item.data)
+
+
 def sniff_format(data: bytes) -> str | None:
     for magic, fmt in _MAGIC:
         if data.startswith(magic):

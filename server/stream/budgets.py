@@ -101,6 +101,15 @@ class ReadBudget(FairShare):
     #: an alias, not a wrapper: it runs once per sample read).
     try_take = FairShare.try_acquire
 
+    def try_take_many(self, want: int) -> int:
+        """Take up to `want` slots that are free now, if nobody waits, without awaiting:
+        how many were taken (0: await `take`). One call for a group of reads."""
+        if self._order or self.free <= 0:
+            return 0
+        got = min(want, self.free)
+        self.free -= got
+        return got
+
     async def take(self) -> None:
         """Take a slot, waiting behind earlier waiters."""
         await self.acquire()

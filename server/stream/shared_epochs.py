@@ -43,7 +43,6 @@ import asyncio
 import collections
 import concurrent.futures
 import copy
-import functools
 import logging
 import time
 from collections.abc import AsyncIterator, Hashable, Iterator
@@ -59,6 +58,7 @@ from croupier.server.stream.budgets import BufferBudget, ReadBudget
 from croupier.server.stream.dealer import Dealer
 from croupier.server.stream.fetch_limits import FetchLimits
 from croupier.server.stream.rank_batches import StreamRange, plan_batches
+from croupier.server.stream.read_groups import Results, group_size, room, settle, start, take_slots
 from croupier.server.stream.read_observer import FetchObserver, NoObserver
 from croupier.server.stream.sample_chunks import PendingChunk, SampleRef
 from croupier.server.stream.timer_wheel import TimerWheel
@@ -336,25 +336,22 @@ class SharedEpoch:
     # ---- reads ----
 
     def _complete(self, rec: _Batch, ref: SampleRef, item: Any, err: BaseException | None, t0: float) -> None:
+        self._complete_group(rec, [ref], t0, [(0, item, err)])
+
+    def _complete_group(self, rec: _Batch, refs: list[SampleRef], t0: float, results: Results) -> None:
+        """Reads of `refs` (all of batch `rec`) landed: (position in refs, item, error) each."""
         if self.closed:
             return
-        seconds = time.perf_counter() - t0
-        self.owner.observer.read_finished(seconds, err is None)
-        if self.tuner is not None:
-            self.tuner.lat_sum += seconds
-            self.tuner.done += 1
-        self.in_flight -= 1
-        if self.owner.server_reads is not None:
-            self.owner.server_reads.give()
-        nbytes = self.sizer(item) if err is None else 0
-        rec.arrivals.append((ref, item, nbytes, err))
-        self.completed_bytes += nbytes
+        total = settle(refs, results, time.perf_counter() - t0, self.sizer, self.owner.observer, self.tuner,
+                       self.owner.server_reads, rec.arrivals)
+        self.in_flight -= len(results)
+        self.completed_bytes += total
         if rec.counted:
-            rec.nbytes += nbytes
-            self.window_used += nbytes
-            self.owner.stats.window_bytes += nbytes
+            rec.nbytes += total
+            self.window_used += total
+            self.owner.stats.window_bytes += total
             if self.owner.server_buffer is not None:
-                self.owner.server_buffer.used += nbytes
+                self.owner.server_buffer.used += total
         for sub in self.listeners:
             sub.wake.set()
         self.moved.set()
@@ -380,23 +377,24 @@ class SharedEpoch:
         return plan_batches(self.plan, self.rank, self.cursor, self.plan.num_batches, self.owner.executor)
 
     async def _issue(self) -> None:
-        loop = asyncio.get_running_loop()
-        reader, columns = self.reader, self.columns
-        observer, server_reads = self.owner.observer, self.owner.server_reads
-        stats = self.owner.stats
+        """Read the rank's batches in order while subscribers want them, in groups where
+        the reader reads groups (server/stream/read_groups.py), else one by one."""
+        server_reads, stats, observer = self.owner.server_reads, self.owner.stats, self.owner.observer
         budget = self.owner.server_buffer
+        most = group_size(self.reader)
         async for batch, indices, padding in self._batches():
             while not self.stopping and not self._wanted(batch):
                 self.moved.clear()
                 await self.moved.wait()
             if self.stopping:
                 return
-            rec = self.batches[batch] = _Batch(len(indices))
+            n = len(indices)
+            rec = self.batches[batch] = _Batch(n)
             self.cursor = batch + 1
             for sub in self.listeners:
                 sub.wake.set()
-            for pos, (index, pad) in enumerate(zip(indices, padding)):
-                ref = SampleRef(batch, pos, index, pad)
+            pos = 0
+            while pos < n:
                 while self._no_room():
                     if self.tuner is not None and self.in_flight >= self.limits.max_reads_per_stream:
                         self.tuner.bound_hits += 1
@@ -404,24 +402,21 @@ class SharedEpoch:
                     if budget is not None and budget.used > budget.limit:
                         budget.wait_for_room(self.moved)
                     await self.moved.wait()
-                if server_reads is not None and not server_reads.try_take():
-                    await server_reads.take()
-                self.in_flight += 1
-                rec.issued += 1
-                self.reads += 1
-                stats.reads += 1
-                observer.read_started()
-                t0 = time.perf_counter()
-                later = reader.read_later(index)
-                if later is not None:
-                    delay, fetch = later
-                    self.timers.call_later(delay, self._fetch_after_wait, rec, ref, fetch, t0)
-                elif reader.start_read(index, columns, functools.partial(self._complete_read, rec, ref, t0)):
-                    pass
-                else:
-                    task = loop.create_task(self._read_one(rec, ref, t0))
-                    self.tasks.add(task)
-                    task.add_done_callback(self.tasks.discard)
+                k = min(most, n - pos)
+                if k > 1:
+                    k = min(k, room(self.limits, self.in_flight, budget))
+                k = await take_slots(server_reads, k)
+                refs = [SampleRef(batch, p, indices[p], padding[p]) for p in range(pos, pos + k)]
+                pos += k
+                self.in_flight += k
+                rec.issued += k
+                self.reads += k
+                stats.reads += k
+                for _ in refs:
+                    observer.read_started()
+                start(self.reader, self.columns, refs, most > 1, self.timers, self.tasks, (rec,),
+                      group_done=self._complete_group, fetch_after_wait=self._fetch_after_wait,
+                      complete_read=self._complete_read, read_one=self._read_one)
 
     def sent(self, samples: int, nbytes: int, starved_s: float) -> None:
         """A subscriber sent a chunk. The tuner sees the mean attached subscriber: the

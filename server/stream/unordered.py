@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import functools
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
@@ -29,6 +28,7 @@ from croupier.server.readers.latency import TICK_S
 from croupier.server.stream.budgets import BufferBudget, ReadBudget
 from croupier.server.stream.fetch_limits import FetchLimits
 from croupier.server.stream.rank_batches import StreamRange
+from croupier.server.stream.read_groups import Results, group_size, room, settle, start, take_slots
 from croupier.server.stream.read_observer import FetchObserver, NoObserver
 from croupier.server.stream.sample_chunks import PendingChunk, SampleChunk, SampleRef
 from croupier.server.stream.timer_wheel import TimerWheel
@@ -279,44 +279,38 @@ class UnorderedStream:
     # ---- the issuer -----------------------------------------------------------------
 
     async def _issue(self) -> None:
-        """Issue every read of the span, each once the window and the bounds allow it,
-        the cheapest way the reader offers; each lands in `_complete`."""
-        # Bound once: this loop runs once per sample read.
-        reader, columns, observer, timers = self.reader, self.columns, self.observer, self.timers
-        server_reads, tuner, loop, reads = self.server_reads, self.tuner, self._loop, self.reads
-        read_later, start_read = reader.read_later, reader.start_read
-        fetch_after_wait, complete_read, read_one = self._fetch_after_wait, self._complete_read, self._read_one
-        perf = time.perf_counter
+        """Issue every read of the span, each once the window and the bounds allow it, in
+        groups where the reader reads groups (server/stream/read_groups.py), else one by
+        one the cheapest way the reader offers; each lands in `_complete_group`."""
+        # Bound once: this loop runs once per group of reads.
+        observer, server_reads, tuner = self.observer, self.server_reads, self.tuner
+        most = group_size(self.reader)
         async for batch, indices, padding in self._batches:
             while batch > self.oldest + self.prefetch:
                 if tuner is not None:
                     tuner.bound_hits += 1  # the window holds the issuer: the bound's kin
                 self.moved.clear()
                 await self.moved.wait()
-            self.unreceived[batch] = self.unsent[batch] = len(indices)
-            for pos, (index, pad) in enumerate(zip(indices, padding)):
-                ref = SampleRef(batch, pos, index, pad)
+            n = len(indices)
+            self.unreceived[batch] = self.unsent[batch] = n
+            pos = 0
+            while pos < n:
                 while self._no_room():
                     if tuner is not None and self.in_flight >= self.limits.max_reads_per_stream:
                         tuner.bound_hits += 1
                     await self._wait_for_room()
-                if server_reads is not None and not server_reads.try_take():
-                    await server_reads.take()
-                self.in_flight += 1
-                observer.read_started()
-                t0 = perf()
-                later = read_later(index)
-                if later is not None:
-                    # A wait then a cheap fetch (injected latency over memory-mapped
-                    # data): a timer callback, no task, no coroutine per sample.
-                    delay, fetch = later
-                    timers.call_later(delay, fetch_after_wait, ref, fetch, t0)
-                elif start_read(index, columns, functools.partial(complete_read, ref, t0)):
-                    pass  # a warm table row: the read's own future calls back, no task
-                else:
-                    task = loop.create_task(read_one(ref, t0))
-                    reads.add(task)
-                    task.add_done_callback(reads.discard)
+                k = min(most, n - pos)
+                if k > 1:
+                    k = min(k, room(self.limits, self.in_flight, self.server_buffer))
+                k = await take_slots(server_reads, k)
+                refs = [SampleRef(batch, p, indices[p], padding[p]) for p in range(pos, pos + k)]
+                pos += k
+                self.in_flight += k
+                for _ in refs:
+                    observer.read_started()
+                start(self.reader, self.columns, refs, most > 1, self.timers, self.reads, (),
+                      group_done=self._complete_group, fetch_after_wait=self._fetch_after_wait,
+                      complete_read=self._complete_read, read_one=self._read_one)
 
     def _no_room(self) -> bool:
         limits = self.limits
@@ -354,22 +348,18 @@ class UnorderedStream:
         self._complete(ref, item, err, t0)
 
     def _complete(self, ref: SampleRef, item: Any, err: BaseException | None, t0: float) -> None:
+        self._complete_group([ref], t0, [(0, item, err)])
+
+    def _complete_group(self, refs: list[SampleRef], t0: float, results: Results) -> None:
+        """Reads of `refs` landed: (position in refs, item, error) each."""
         if self.closed:
-            return  # a read that landed after the stream ended: its slot was given back
-        seconds = time.perf_counter() - t0
-        self.observer.read_finished(seconds, err is None)
-        tuner = self.tuner
-        if tuner is not None:
-            tuner.lat_sum += seconds
-            tuner.done += 1
-        self.in_flight -= 1
-        if self.server_reads is not None:
-            self.server_reads.give()
-        nbytes = self._sizer(item) if err is None else 0
-        self.buffered += nbytes
+            return  # reads that landed after the stream ended: their slots were given back
+        total = settle(refs, results, time.perf_counter() - t0, self._sizer, self.observer, self.tuner,
+                       self.server_reads, self.ready)
+        self.in_flight -= len(results)
+        self.buffered += total
         if self.server_buffer is not None:
-            self.server_buffer.used += nbytes
-        self.ready.append((ref, item, nbytes, err))
+            self.server_buffer.used += total
         self.got_ready.set()
         self.moved.set()
 

@@ -1,0 +1,110 @@
+"""A batch's reads issued in groups: one reader call, one storage call per file and one
+completion per group, instead of each per sample.
+
+The per-sample Python of the hot path (the storage layers' bookkeeping, a callback chain,
+the stream's counters) cost more than the reads themselves (bench/results/cpu_per_sample.md):
+a group pays it once. A group never spans batches, holds at most `READ_GROUP` samples
+and only what the bounds allow at once, so the bounds hold as they do per sample; its
+samples complete together, when its last range lands.
+
+Only where reads land at once: a reader asks for groups (`Reader.reads_in_groups`) when
+its files lie on a local block or memory file system. There the server is CPU-bound and
+a group cut the server's CPU per text row about in half, with twice the rows/s
+(bench/results/cpu_per_sample.md). On latencyfs at 5 ms with the kernel's defaults it
+saved no CPU (each read's completion still wakes the loop) and made fewer rows/s in each
+of four tries (8,778-11,943 in groups of 8 or 32, against 15,524-17,930 one by one): a
+group's slowest read holds its slots, and the tuner, seeing the group's latency, kept
+2-10x more reads in flight. Other readers are read one sample at a time (groups of one).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from croupier.server.readers.base import Reader
+from croupier.server.stream.budgets import BufferBudget, ReadBudget
+from croupier.server.stream.fetch_limits import FetchLimits
+from croupier.server.stream.read_observer import FetchObserver
+from croupier.server.stream.sample_chunks import SampleRef
+from croupier.server.stream.timer_wheel import TimerWheel
+
+#: A group's landed reads: (position in the group, item, the error it raised).
+Results = list[tuple[int, Any, BaseException | None]]
+
+#: Samples per group at most: enough to pay the per-call Python once for many reads, few
+#: enough that a group's slowest read holds back little (the max of 32 lognormal draws of
+#: sigma 0.5 is about 2.4x their median).
+READ_GROUP = 32
+
+
+def group_size(reader: Reader) -> int:
+    """READ_GROUP for a reader that asks for groups (`Reader.reads_in_groups`), else 1."""
+    return READ_GROUP if getattr(reader, "reads_in_groups", False) else 1
+
+
+def room(limits: FetchLimits, in_flight: int, server_buffer: BufferBudget | None) -> int:
+    """Reads that may start now under the in-flight bounds (the caller checked there is room)."""
+    n = limits.max_reads_per_stream - in_flight
+    if server_buffer is not None and server_buffer.used > server_buffer.limit:
+        n = min(n, limits.chunk_samples - in_flight)
+    return max(n, 1)
+
+
+async def take_slots(server_reads: ReadBudget | None, want: int) -> int:
+    """Up to `want` of the server's read slots, at least one (waiting for it if need be)."""
+    if server_reads is None:
+        return want
+    got = server_reads.try_take_many(want)
+    if got:
+        return got
+    await server_reads.take()
+    return 1
+
+
+def settle(refs: Sequence[SampleRef], results: Results, seconds: float, sizer: Callable[[Any], int],
+           observer: FetchObserver, tuner: Any, server_reads: ReadBudget | None, out: Any) -> int:
+    """Landed reads of a group: each (ref, item, bytes, error) appended to `out`, each
+    counted finished by the observer, the tuner and the server's read slots; their bytes."""
+    total = 0
+    for pos, item, err in results:
+        observer.read_finished(seconds, err is None)
+        nbytes = sizer(item) if err is None else 0
+        total += nbytes
+        out.append((refs[pos], item, nbytes, err))
+    k = len(results)
+    if tuner is not None:
+        tuner.lat_sum += seconds * k
+        tuner.done += k
+    if server_reads is not None:
+        server_reads.give(k)
+    return total
+
+
+def start(reader: Reader, columns: tuple[str, ...], refs: list[SampleRef], grouped: bool, timers: TimerWheel,
+          tasks: set[asyncio.Task[None]], ctx: tuple[Any, ...], *, group_done: Callable[..., None],
+          fetch_after_wait: Callable[..., None], complete_read: Callable[..., None], read_one: Callable[..., Any]) -> None:
+    """Begin the reads of `refs`: as one group (`group_done(*ctx, refs, t0, results)`),
+    and those the reader did not start (or all, for a reader without groups) one by one,
+    the cheapest way it offers: a timer then a fetch (injected latency), a callback from
+    the store, or else a task awaiting `read_one(*ctx, ref, t0)`. `ctx` leads every
+    callback's arguments (a shared epoch's batch), so nothing is bound per call."""
+    t0 = time.perf_counter()
+    cold: Sequence[int] = (reader.start_reads([r.index for r in refs], columns,
+                                              functools.partial(group_done, *ctx, refs, t0))
+                           if grouped else range(len(refs)))
+    for p in cold:
+        ref = refs[p]
+        later = reader.read_later(ref.index)
+        if later is not None:
+            # A wait then a cheap fetch (injected latency over memory-mapped data): a
+            # timer callback, no task, no coroutine per sample.
+            delay, fetch = later
+            timers.call_later(delay, fetch_after_wait, *ctx, ref, fetch, t0)
+        elif not reader.start_read(ref.index, columns, functools.partial(complete_read, *ctx, ref, t0)):
+            task = asyncio.get_running_loop().create_task(read_one(*ctx, ref, t0))
+            tasks.add(task)
+            task.add_done_callback(tasks.discard)
