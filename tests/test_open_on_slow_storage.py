@@ -34,7 +34,6 @@ from readers_data import png_bytes, write_imagefolder
 _RCLONE = rclone_unusable()
 needs_rclone = pytest.mark.skipif(_RCLONE is not None, reason=f"no rclone mount here: {_RCLONE}")
 _S3FS = s3fs_unusable()
-needs_s3fs = pytest.mark.skipif(_S3FS is not None, reason=f"no s3fs mount here: {_S3FS}")
 
 CLASSES = ("ant", "bee", "cat", "dog", "eel", "fox")
 PER_CLASS = 40
