@@ -89,13 +89,13 @@ def test_a_probe_beside_a_busy_server_still_finds_the_cap_counting_only_its_own_
     stop = threading.Event()
     block = bytes(1 << 20)
 
-    def spin() -> None:  # hashing 1 MiB releases the GIL: two of these keep up to two cores busy
+    def spin() -> None:  # hashing 1 MiB releases the GIL: a core busy, whatever the probe's threads do
         while not stop.is_set():
             hashlib.sha256(block).digest()
 
     with latencyfs.mounted(source, median_ms=20, distribution="fixed", max_background=latencyfs.KERNEL_DEFAULT) as fs:
         store = LocalStore(io_threads=256, read_path="auto")
-        burners = [threading.Thread(target=spin, daemon=True) for _ in range(2)]
+        burners = [threading.Thread(target=spin, daemon=True)]  # one: the other core for the daemon
         try:
             for busy in burners:
                 busy.start()
@@ -110,7 +110,7 @@ def test_a_probe_beside_a_busy_server_still_finds_the_cap_counting_only_its_own_
             store.close()
     assert process_cores >= 0.5, process_cores  # the process was busy: its CPU clock alone would say CPU-bound
     assert choice.cpu_cores["pread"] < 0.5, choice  # the probe's reading threads waited on the mount
-    assert choice.capped() and choice.path == "mmap", choice
+    assert choice.capped(), choice  # and so read by another path where one does better (load decides which)
 
 
 @needs_native

@@ -115,6 +115,17 @@ class CachedStore(Store):
             return await self.whole.read(path)
         return (await self.read_ranges(path, [(offset, size)]))[0]
 
+    def submit_whole(self, path: str, callback: Callable[..., None]) -> bool:
+        """`read(path, 0, -1)` without a task: through the whole-file cache (whole_files.py),
+        or straight to the inner store where files are not cached (a local disk). False
+        where `read` must be awaited (a pinned file, an object store's cache)."""
+        if self.whole is None or path in self._keys:
+            return False
+        if self.whole.bypass:
+            return self.inner.submit_whole(path, callback)
+        self.whole.start_fill()
+        return self.whole.submit(path, callback)
+
     def plan_whole_files(self, paths: Sequence[str]) -> None:
         """The files the dataset reads whole, in listing order (its fill reads them)."""
         if self.whole is not None:

@@ -26,11 +26,12 @@ at once on the store's own read path, from the dataset's first read on.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from ..storage.base import FileVersion
@@ -62,17 +63,24 @@ async def admit(cache: BlockCache, key: FileKey, data: bytes, wait: bool) -> boo
     """Keep a whole file (or object): in memory while the budget has room (all of it or
     none), else on disk. A direct read does not wait for the disk write; a fill does (its
     pace)."""
-    memory = cache.memory
-    if memory.reserve(key.size):
-        for b in range(key.blocks()):
-            start, length = b * BLOCK_BYTES, key.block_length(b)
-            memory.admit(key.version_id, b, data[start:start + length] if key.blocks() > 1 else data, length)
+    if to_memory(cache, key, data):
         return True
     disk = cache.disk
     if disk is None or not disk.writing:
         return False
     job = asyncio.get_running_loop().run_in_executor(cache.io, _to_disk, cache, key, data)
     return await job if wait else True
+
+
+def to_memory(cache: BlockCache, key: FileKey, data: bytes) -> bool:
+    """Keep a whole file in memory if the budget has room for all of it (else nothing)."""
+    memory = cache.memory
+    if not memory.reserve(key.size):
+        return False
+    for b in range(key.blocks()):
+        start, length = b * BLOCK_BYTES, key.block_length(b)
+        memory.admit(key.version_id, b, data[start:start + length] if key.blocks() > 1 else data, length)
+    return True
 
 
 def _to_disk(cache: BlockCache, key: FileKey, data: bytes) -> bool:
@@ -150,6 +158,60 @@ class WholeFiles:
             self.cache.stats.miss_bytes += len(data)
         return data
 
+    def submit(self, path: str, callback: Callable[[bytes | None, BaseException | None], None]) -> bool:
+        """`read` without a task or a coroutine: a callback chain (which file the name leads
+        to now, then a hit from memory or a read from storage, kept as `read` keeps it),
+        counted as `read` counts. False where `read` must be awaited: a disk tier (its reads
+        run on the cache's threads), a fill running (reads shared with it), or a store
+        without callback reads."""
+        if self.cache.disk is not None or (self.fill_task is not None and not self.fill_task.done()):
+            return False
+        known = self._versions.get(path)
+        if known is None or not self.cache.cached(known[1], 0):  # not cached: no lookup at all
+            return self._submit_miss(path, callback)
+        return self.inner.submit_version(path, functools.partial(self._identified, path, known, callback))
+
+    def _identified(self, path: str, known: tuple[FileVersion, FileKey], callback: Callable, version: FileVersion | None) -> None:
+        """Which file a cached name leads to now, known: serve it from memory, or read it."""
+        key = None
+        if version is not None and known[0].same_file(version):
+            key = known[1]
+        elif version is not None:
+            key = self._keyed(path, version)  # another file now (the log says so)
+        data = self.cache.from_memory(key, 0, key.size) if key is not None and key.size else None
+        if data is None:
+            if not self._submit_miss(path, callback):
+                self._read_later(path, callback)
+            return
+        self.cache.stats.hits += 1
+        self.cache.stats.hit_bytes += len(data)
+        callback(data, None)
+
+    def _submit_miss(self, path: str, callback: Callable) -> bool:
+        return self.inner.submit_whole_versioned(path, functools.partial(self._read_landed, path, callback))
+
+    def _read_landed(self, path: str, callback: Callable, got: tuple[bytes, FileVersion | None] | None,
+                     err: BaseException | None) -> None:
+        if got is None:
+            callback(None, err)
+            return
+        data, version = got
+        key = self._to_keep(path, data, version)
+        if key is not None:
+            to_memory(self.cache, key, data)  # no disk tier on this path: memory or nothing
+        self.cache.stats.misses += 1
+        self.cache.stats.miss_bytes += len(data)
+        callback(data, None)
+
+    def _read_later(self, path: str, callback: Callable) -> None:
+        """The awaited `read`, for a store that looked a name up by callback but reads only
+        by coroutine (none of the server's: kept for a store that would)."""
+        def landed(task: asyncio.Task[bytes]) -> None:
+            exc = asyncio.CancelledError() if task.cancelled() else task.exception()
+            callback(None, exc) if exc is not None else callback(task.result(), None)
+
+        asyncio.get_running_loop().create_task(self.read(path)).add_done_callback(landed)
+
     async def _read_once(self, path: str, wait: bool) -> tuple[bytes, bool | None]:
         """`path` read from storage and admitted (True), refused for want of room (False),
         or not admitted (None: no version to keep, or another read of it admits). While a fill
@@ -179,10 +241,15 @@ class WholeFiles:
 
     async def _keep(self, path: str, data: bytes, version: FileVersion | None, wait: bool) -> bool | None:
         """Admit what a read of `path` returned (see `_read_once`)."""
+        key = self._to_keep(path, data, version)
+        return None if key is None else await admit(self.cache, key, data, wait)
+
+    def _to_keep(self, path: str, data: bytes, version: FileVersion | None) -> FileKey | None:
+        """The key to admit what a read of `path` returned under (None: nothing to keep)."""
         key = self._keyed(path, version)
         if key is None or len(data) != key.size or not key.size or self.cache.cached(key, 0):
             return None
-        return await admit(self.cache, key, data, wait)
+        return key
 
     # ---- the fill ------------------------------------------------------------------------
     def plan(self, paths: Sequence[str]) -> None:

@@ -8,13 +8,15 @@ extension is one of IMAGE_EXTENSIONS, in any case.
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Callable, Iterator, Sequence
 
 from ..storage import Store, default_local_store
 from ..storage.mounts import object_store_mount_client
-from .base import DatasetError, DatasetInfo, ImagePayload, Reader
-from .images import IMAGE_EXTENSIONS, ImageItem, checked_format, image_nbytes, image_payload, is_image_name, read_bytes
+from .base import DatasetError, DatasetInfo, ImagePayload, Reader, SampleError
+from .images import (IMAGE_EXTENSIONS, ImageItem, checked_format, image_nbytes, image_payload, is_image_name, read_bytes,
+                     read_error)
 from .listing import Progress, Tree
 from .tree_cache import cached_tree
 
@@ -92,6 +94,31 @@ class ImageFolderReader(Reader):
         where = self.store.url(path)
         data = await read_bytes(self.store, path, index, where)
         return ImageItem(index, data, self.labels[index], checked_format(data, index, where), key, where)
+
+    def start_read(self, index: int, columns: Sequence[str], done: Callable[[ImageItem | None, BaseException | None], None]) -> bool:
+        """`read` without a task or a coroutine where the store reads files whole by callback
+        (`Store.submit_whole`): the same item, and the same errors, passed to `done`."""
+        if not 0 <= index < len(self.keys):
+            return False  # `read` raises the index error
+        path = self.store.join(self.root, self.keys[index])
+        return self.store.submit_whole(path, functools.partial(self._landed, index, path, done))
+
+    def _landed(self, index: int, path: str, done: Callable[[ImageItem | None, BaseException | None], None],
+                data: bytes | None, err: BaseException | None) -> None:
+        where = self.store.url(path)
+        if err is not None:
+            if isinstance(err, OSError):  # as read_bytes raises it; other errors (a link out of the roots) as they are
+                cause, err = err, read_error(self.store, path, index, where, err)
+                err.__cause__ = cause
+            done(None, err)
+            return
+        assert data is not None
+        try:
+            fmt = checked_format(data, index, where)
+        except SampleError as exc:
+            done(None, exc)
+            return
+        done(ImageItem(index, data, self.labels[index], fmt, self.keys[index], where), None)
 
     def item_sizer(self, columns: Sequence[str] = ()) -> Callable[[ImageItem], int]:
         return image_nbytes

@@ -45,12 +45,17 @@ async def read_bytes(store: Store, path: str, index: int, where: str, offset: in
     try:
         data = await store.read(path, offset, size)
     except OSError as exc:
-        raise SampleError(f"sample {index} ({where}): cannot read: {exc}", index=index, path=store.url(path)) from exc
+        raise read_error(store, path, index, where, exc) from exc
     if size >= 0 and len(data) != size:
         raise SampleError(
             f"sample {index} ({where}): file is truncated ({len(data)} of {size} bytes)", index=index, path=store.url(path)
         )
     return data
+
+
+def read_error(store: Store, path: str, index: int, where: str, exc: OSError) -> SampleError:
+    """The error of a sample whose file could not be read (`exc`), naming it and its index."""
+    return SampleError(f"sample {index} ({where}): cannot read: {exc}", index=index, path=store.url(path))
 
 
 def image_nbytes(item: ImageItem) -> int:

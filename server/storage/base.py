@@ -260,6 +260,23 @@ class Store(abc.ABC):
         such path (then await `read_ranges`)."""
         return False
 
+    def submit_whole(self, path: str, callback: "Callable[[bytes | None, BaseException | None], None]") -> bool:
+        """`read(path, 0, -1)` without a coroutine or a future (a file read whole: an image):
+        `callback(data, None)` or `callback(None, error)` on the loop; counted like `read`.
+        False when this store has no such path (then await `read`)."""
+        return False
+
+    def submit_whole_versioned(
+        self, path: str, callback: "Callable[[tuple[bytes, FileVersion | None] | None, BaseException | None], None]"
+    ) -> bool:
+        """`read_whole_versioned` the same way: `callback((data, version), None)` or
+        `callback(None, error)`. False: await `read_whole_versioned`."""
+        return False
+
+    def submit_version(self, path: str, callback: "Callable[[FileVersion | None], None]") -> bool:
+        """`version` the same way: `callback(version or None)` on the loop. False: await `version`."""
+        return False
+
     @abc.abstractmethod
     async def _read(self, path: str, offset: int, size: int) -> bytes: ...
 

@@ -201,6 +201,26 @@ class ConfinedStore(Store):
             return self.inner.submit_ranges(path, ranges, callback)
         return False  # the caller awaits read_ranges, which checks the file it opens
 
+    def submit_whole(self, path: str, callback: Callable[..., None]) -> bool:
+        """The file read whole without a task: opened, checked under the roots and read by
+        a native thread, as `read` does; False where that is not how it is read."""
+        if path in self._pins or self._native is None:
+            return False
+        native.start_whole(self._native, self.stats, path, self._roots_blob, callback, False, self._native_error)
+        return True
+
+    def submit_whole_versioned(self, path: str, callback: Callable[..., None]) -> bool:
+        if path in self._pins or self._native is None:
+            return False
+        native.start_whole(self._native, self.stats, path, self._roots_blob, callback, True, self._native_error)
+        return True
+
+    def submit_version(self, path: str, callback: Callable[[FileVersion | None], None]) -> bool:
+        if self._native is None:
+            return False
+        native.start_identify(self._native, path, self._roots_blob, callback)
+        return True
+
     async def _read(self, path: str, offset: int, size: int) -> bytes:
         if self._native is not None:
             return await self._native_read(path, offset, size)

@@ -539,6 +539,26 @@ class LocalStore(Store):
             return [await self.pool.submit(self._pread, path, *ranges[0])]
         return await super()._read_ranges(path, ranges)
 
+    def submit_whole(self, path: str, callback: Callable[..., None]) -> bool:
+        if self.native is None or path in self._pinned:  # a pinned file: its read path of choice, awaited
+            return False
+        self.path_reads["pread"] += 1
+        native.start_whole(self.native, self.stats, path, None, callback, False)
+        return True
+
+    def submit_whole_versioned(self, path: str, callback: Callable[..., None]) -> bool:
+        if self.native is None or path in self._pinned:
+            return False
+        self.path_reads["pread"] += 1
+        native.start_whole(self.native, self.stats, path, None, callback, True)
+        return True
+
+    def submit_version(self, path: str, callback: Callable[[FileVersion | None], None]) -> bool:
+        if self.native is None:
+            return False
+        native.start_identify(self.native, path, None, callback)
+        return True
+
     def submit_ranges(self, path: str, ranges: Sequence[Range], callback) -> bool:
         n = len(ranges)
         stats = self.stats

@@ -1,7 +1,9 @@
 """The native read pool (_preadpool.c) seen from asyncio: preads that return futures.
 
 Each read is one C call to submit and, per wake-up of the loop, one C call drains every
-completion; the native threads never take the GIL. Without the compiled extension (an
+completion; the native threads never take the GIL. The hot path takes a callback instead of
+a future (`pread_ranges`, `read_path_then`, `read_whole_then`, `identify_then`): no future,
+task or coroutine per read. Without the compiled extension (an
 install without a C compiler) `available()` is False and the store uses the Python
 pool (iopool.py) instead, or when CROUPIER_READ_POOL=python asks for it.
 
@@ -16,11 +18,12 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import functools
 import os
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
-from .base import FileVersion
+from .base import FileVersion, StoreStats
 
 try:
     from ._preadpool import Mapping, Pool as _NativePool, direct_alignment, measure
@@ -141,6 +144,33 @@ class NativeReadPool:
         self._pool.submit_identify(token, path, *(() if roots is None else (roots,)))
         return fut
 
+    def _call(self, callback: Callable[[Any, OSError | None], None]) -> int:
+        """A token whose completion goes to `callback` on this loop (no future)."""
+        loop = self._watch()
+        self._token += 1
+        self._futures[self._token] = (_Call(loop, callback), 0)  # type: ignore[assignment]
+        return self._token
+
+    def read_path_then(self, path: str, roots: bytes | None, callback: Callable[[bytes | None, OSError | None], None],
+                       offset: int = 0, size: int = -1) -> None:
+        """`pread_path` without a future: `callback(data, None)` or `callback(None, error)`
+        on the loop (a file read whole without a task: images)."""
+        token = self._call(callback)
+        if roots is None:
+            self._pool.submit_path(token, path, offset, size)
+        else:
+            self._pool.submit_path(token, path, offset, size, roots)
+
+    def read_whole_then(self, path: str, roots: bytes | None, callback: Callable[[tuple | None, OSError | None], None]) -> None:
+        """`read_whole` without a future: `callback(value, None)` (see `whole_result`) or
+        `callback(None, error)` on the loop."""
+        self._pool.submit_whole(self._call(callback), path, *(() if roots is None else (roots,)))
+
+    def identify_then(self, path: str, roots: bytes | None, callback: Callable[[tuple | None, OSError | None], None]) -> None:
+        """`identify` without a future: `callback(value, None)` (see `identify_result`) or
+        `callback(None, error)` on the loop."""
+        self._pool.submit_identify(self._call(callback), path, *(() if roots is None else (roots,)))
+
     def pread_ranges(
         self,
         fd: int | None,
@@ -174,7 +204,7 @@ class NativeReadPool:
             entry = self._futures.pop(token, None)
             if entry is None:
                 continue
-            if type(entry) is tuple:
+            if type(entry) is tuple:  # a _Group's range, or a _Call
                 group, i = entry
                 if group.loop is not loop:  # another loop's read (tests share a store)
                     group.loop.call_soon_threadsafe(group.land, i, value)
@@ -220,6 +250,22 @@ class _Group:
             self.callback(self.parts, None)
 
 
+class _Call:
+    """One read without a future: its callback, told on the loop it was submitted from."""
+
+    __slots__ = ("loop", "callback")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, callback: Callable):
+        self.loop = loop
+        self.callback = callback
+
+    def land(self, _i: int, value: Any) -> None:
+        if isinstance(value, int):
+            self.callback(None, OSError(-value, os.strerror(-value)))
+        else:
+            self.callback(value, None)
+
+
 def whole_result(value: tuple) -> tuple[bytes, FileVersion]:
     """A `read_whole` future's result as (bytes, FileVersion)."""
     return value[0], FileVersion(os.fsdecode(value[1]), *value[2:])
@@ -228,6 +274,47 @@ def whole_result(value: tuple) -> tuple[bytes, FileVersion]:
 def identify_result(value: tuple) -> FileVersion:
     """An `identify` future's result as a FileVersion."""
     return FileVersion(os.fsdecode(value[0]), *value[1:])
+
+
+def start_whole(pool: NativeReadPool, stats: StoreStats, path: str, roots: bytes | None, callback: Callable,
+                versioned: bool, error: Callable[[OSError, str], BaseException] | None = None) -> None:
+    """A store's `submit_whole` (`versioned`: `submit_whole_versioned`) on the native pool:
+    `path` read whole, counted in `stats` as one read, as `Store.read` counts it; an error
+    passed through `error(exc, path)` where the store maps them (confinement)."""
+    stats.started()
+    landed = functools.partial(_whole_landed, stats, callback, versioned, path, error)
+    try:
+        if versioned:
+            pool.read_whole_then(path, roots, landed)
+        else:
+            pool.read_path_then(path, roots, landed)
+    except BaseException:  # not submitted (the pool closed): not in flight
+        stats.finished(0, ok=False)
+        raise
+
+
+def _whole_landed(stats: StoreStats, callback: Callable, versioned: bool, path: str,
+                  error: Callable[[OSError, str], BaseException] | None, value: Any, err: OSError | None) -> None:
+    if err is not None:
+        stats.finished(0, ok=False)
+        callback(None, err if error is None else error(err, path))
+        return
+    if versioned:
+        value = whole_result(value)
+        stats.finished(len(value[0]))
+    else:
+        stats.finished(len(value))
+    callback(value, None)
+
+
+def start_identify(pool: NativeReadPool, path: str, roots: bytes | None, callback: Callable[[FileVersion | None], None]) -> None:
+    """A store's `submit_version` on the native pool: `callback(version)`, None where the
+    name leads to no file (or none under `roots`), as `version` answers."""
+    pool.identify_then(path, roots, functools.partial(_identified, callback))
+
+
+def _identified(callback: Callable[[FileVersion | None], None], value: Any, err: OSError | None) -> None:
+    callback(None if err is not None else identify_result(value))
 
 
 def _settle(fut: asyncio.Future[Any], value: bytes | int) -> None:
