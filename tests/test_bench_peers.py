@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -225,11 +226,47 @@ def test_the_goal_compares_croupier_with_the_uniform_peers_any_peer_and_the_smal
                 "quality": {"uniform": uniform}, "peak_local_disk_mb": 1.0}
 
     rep = {"cases": [row("croupier", "default", 100.0, True), row("mosaic", "default", 90.0, True),
-                     row("litdata", "default", 150.0, False), row("mosaic", "cache10", 10.0, True)]}
+                     row("litdata", "default", 150.0, False), row("mosaic", "cache10", 10.0, True),
+                     row("croupier", "cache10", 25.0, True), row("litdata", "cache10", 9.0, False)]}
     g = {x["against"]: x for x in report.goal(rep)}
     assert (g["uniform peers"]["peer_rate"], g["uniform peers"]["met"]) == (90.0, True)
     assert (g["any peer"]["peer_rate"], g["any peer"]["met"], g["any peer"]["peer_uniform"]) == (150.0, False, False)
-    assert g["10% cache"]["ratio"] == pytest.approx(10.0)
+    assert (g["Mosaic's cold epoch"]["peer_rate"], g["Mosaic's cold epoch"]["met"]) == (90.0, True)
+    # a 10% cache: croupier's own cache10 row (its server's --cache-memory), against 3x the peers' cache10 rows
+    small = g["10% cache, any peer"]
+    assert (small["croupier"], small["peer_rate"], small["target"]) == (25.0, 10.0, 3.0)
+    assert small["ratio"] == pytest.approx(2.5) and not small["met"]
+    assert g["10% cache, uniform peers"]["peer"] == "mosaic (cache = 10% of data)"
+
+
+def test_a_later_epoch_is_held_to_every_peers_best_epoch_whichever_epoch_that_was() -> None:
+    from croupier.bench.peers import report
+
+    def row(system, variant, rates):
+        return {"system": system, "label": system, "variant": variant, "dataset": "image",
+                "condition": {"name": "fs"}, "epochs": [{"samples_per_s": x, "complete": True} for x in rates],
+                "quality": {"uniform": True}, "peak_local_disk_mb": 1.0}
+
+    rep = {"cases": [row("croupier", "default", [50.0, 200.0]), row("mosaic", "default", [300.0, 180.0]),
+                     row("litdata", "cache10", [400.0, 400.0])]}  # a 10% cache row is not data that fits
+    g = {(x["epoch"], x["against"]): x for x in report.goal(rep)}
+    best = g[(2, "every peer's best epoch")]
+    assert (best["peer_rate"], best["met"]) == (300.0, False)  # Mosaic's cold epoch, not its 180 of epoch 2
+    assert (1, "every peer's best epoch") not in g and (2, "Mosaic's cold epoch") not in g
+    assert "10% cache, any peer" not in {k for _, k in g}  # croupier ran no cache10 row
+
+
+def test_croupiers_cache10_row_runs_its_server_with_a_cache_of_10_percent_of_the_data() -> None:
+    from croupier.bench.peers import suite
+
+    cache = suite.cache_targets()
+    assert cache.name == "peers-cache"
+    planned = {(c.max_background, ds, s, v) for c, ds, s, v in suite.planned(cache)}
+    assert (0, "image", "croupier", "cache10") in planned  # the FUSE mount with the kernel's defaults
+    assert {c.max_background for c in suite.cache_targets("both").conditions} == {0, None}
+    job = Job(system="croupier", dataset="text", remote="", local="", world=2, batch=64, epochs=2, cache_limit=1234)
+    assert suite.server_args(job)[:2] == ["--cache-memory", "1234"]
+    assert "--cache-memory" not in suite.server_args(replace(job, cache_limit=0))  # default: the server's own
 
 
 def test_the_reading_names_the_tests_that_rejected_an_order_as_not_uniform() -> None:

@@ -11,10 +11,14 @@ from pathlib import Path
 def main(argv: list[str] | None = None) -> int:
     from dataclasses import replace
 
-    from .suite import SCRIPTS, full, quick, resized, run_peers
+    from .suite import CACHE_CONDITIONS, SCRIPTS, cache_targets, full, quick, resized, run_peers
 
     p = argparse.ArgumentParser(prog="python -m croupier.bench.peers", description=__doc__)
     p.add_argument("--quick", action="store_true", help="the smoke run: tiny data, croupier, Mosaic, LitData, latency FS")
+    p.add_argument("--cache", nargs="?", const="both", choices=sorted(CACHE_CONDITIONS),
+                   help="the cache-tier run (issue 25): croupier, Mosaic, LitData, default and a 10%% cache, on the "
+                        "FUSE mount with the kernel's defaults and the raised one (both, the default: "
+                        "peers-cache.md), only one of them (kernel, raised), or S3 (s3)")
     p.add_argument("--out", default="bench/results")
     p.add_argument("--data-dir", help="where the generated data lives (default ~/.cache/croupier/bench-data/...)")
     p.add_argument("--only", default="", help="run only the cases whose 'dataset | storage | system | variant' "
@@ -24,7 +28,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--systems", help="comma-separated subset of the suite's systems (croupier, mosaic, litdata, "
                                      "tfdata, torchdata, lance, dataloader-rs, grain)")
     args = p.parse_args(argv)
-    suite = resized(quick() if args.quick else full(), args.text_rows, args.images)
+    base = cache_targets(args.cache) if args.cache else quick() if args.quick else full()
+    suite = resized(base, args.text_rows, args.images)
     if args.systems:
         wanted = tuple(s.strip() for s in args.systems.split(",") if s.strip())
         unknown = [s for s in wanted if s not in SCRIPTS]

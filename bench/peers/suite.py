@@ -12,9 +12,10 @@ dataset (text rows, JPEG images), per system, at `world` ranks and batch `batch`
   a shuffle buffer the size of the dataset); croupier and torchdata have one shuffle, global;
 * loader: a peer's own shuffled loader beside its default set-up: Lance's default is `take` of a
   global permutation, its `loader` lance.torch.data's LanceDataset with ShardedBatchSampler;
-* cache10: the local cache limited to 10% of the dataset's bytes (Mosaic `cache_limit`,
-  LitData `max_cache_size`): a dataset larger than the trainer's disk. croupier keeps no local
-  cache, so its row there is its default run;
+* cache10: the cache limited to 10% of the dataset's bytes on storage (Mosaic `cache_limit`,
+  LitData `max_cache_size`, croupier's server `--cache-memory`): a dataset larger than the cache.
+  croupier's default row runs the server's defaults (cache on, 25% of RAM); the server's cache
+  counters (/metrics: hit ratio, storage bytes per sample) are recorded with each of its rows;
 * resume: the trainer killed (SIGKILL, every rank) after a third of the first epoch, right
   after a checkpoint of the system's own state_dict, then resumed from it: ids lost and
   repeated against the uninterrupted epoch.
@@ -45,7 +46,7 @@ import numpy as np
 from .. import latencyfs
 from ..datagen import BenchData, DataSpec, ensure_data, text_table
 from ..driver import Report, attempt, drive
-from ..real import Condition, latency_fs, open_storage, s3
+from ..real import Condition, latency_fs, latency_fs_kernel_defaults, open_storage, s3
 from ..reporting import revision
 from . import quality, venvs
 from .case import RUNNERS, Watcher, first_batch_s, free_port, per_epoch, run_group, run_ranks
@@ -58,8 +59,8 @@ SCRIPTS = {"croupier": "run_croupier.py", "mosaic": "run_mosaic.py", "litdata": 
 LABELS = {"croupier": "croupier (unordered)", "mosaic": "Mosaic Streaming", "litdata": "LitData",
           "tfdata": "tf.data service", "torchdata": "torchdata.nodes", "lance": "Lance",
           "dataloader-rs": "dataloader-rs", "grain": "Grain + ArrayRecord"}
-#: Variants each system has (croupier's cache10 is its default row: it caches nothing locally).
-VARIANTS = {"croupier": ("default", "resume"), "mosaic": ("default", "strongest", "cache10", "resume"),
+#: Variants each system has (croupier's cache10: its server's --cache-memory at 10% of the data).
+VARIANTS = {"croupier": ("default", "cache10", "resume"), "mosaic": ("default", "strongest", "cache10", "resume"),
             "litdata": ("default", "strongest", "cache10", "resume"), "tfdata": ("default", "strongest"),
             "torchdata": ("default", "resume"), "lance": ("default", "loader"), "dataloader-rs": ("default",),
             "grain": ("default", "resume")}
@@ -153,6 +154,22 @@ def quick() -> PeersSuite:
     return PeersSuite(name="peers-quick", data=DataSpec(text_rows=3_200, images=640, shard_size=100),
                       systems=("croupier", "mosaic", "litdata"), conditions=(latency_fs(5.0),), datasets=("text",),
                       workers=1, timeout_s=180.0, cache10_epoch_s=15.0)
+
+
+#: The cache-tier runs (issue 25's targets): on the kernel-default FUSE mount and the raised one (both),
+#: one of them, or the loopback S3 server (s3://, 20 ms).
+CACHE_CONDITIONS = {"kernel": (latency_fs_kernel_defaults(5.0),), "raised": (latency_fs(5.0),),
+                    "both": (latency_fs_kernel_defaults(5.0), latency_fs(5.0)), "s3": (s3(20.0),)}
+
+
+def cache_targets(conditions: str = "both") -> PeersSuite:
+    """croupier's server cache against Mosaic and LitData, data that fits and a cache of 10% of it, on
+    the FUSE mount with the kernel's defaults (max_background 12, readahead 128 KB) and/or the raised
+    one, or S3 (CACHE_CONDITIONS); the suite's sizes. A thrashing 10% cache is cut after 30 s an
+    epoch (its rate is the part it ran)."""
+    return PeersSuite(name="peers-cache" + ("" if conditions == "both" else f"-{conditions}"),
+                      data=full().data, systems=("croupier", "mosaic", "litdata"),
+                      conditions=CACHE_CONDITIONS[conditions], variants=("default", "cache10"), cache10_epoch_s=30.0)
 
 
 def resized(suite: PeersSuite, text_rows: int | None = None, images: int | None = None) -> PeersSuite:
@@ -305,7 +322,7 @@ def run_system(ctx: Ctx, st: Any, system: str, ds: str, variant: str, n: int, ex
 
             name = "text" if ds == "text" else "imagefolder"
             t = time.perf_counter()
-            server = ServerProcess([f"{name}={_remote(st, system, ds)}"], [], ctx.log)
+            server = ServerProcess([f"{name}={_remote(st, system, ds)}"], server_args(job), ctx.log)
             rec["server_start_s"] = time.perf_counter() - t
             job = replace(job, extra={"address": server.address, "dataset": name,
                                       "ids": image_ids(ctx.data) if ds == "image" else []})
@@ -362,6 +379,7 @@ def run_system(ctx: Ctx, st: Any, system: str, ds: str, variant: str, n: int, ex
             watch._sample()
     finally:
         if server is not None:
+            rec["server_cache"] = cache_metrics(server)
             server.stop()
         _shm_cleanup(rec, system, shm_before)
         rec["peak_local_disk_mb"] = watch.peak_disk / 1e6
@@ -373,6 +391,37 @@ def run_system(ctx: Ctx, st: Any, system: str, ds: str, variant: str, n: int, ex
         rec["wall_s"] = time.perf_counter() - t_case
         shutil.rmtree(run_dir, ignore_errors=True)
     return rec
+
+
+def server_args(job: Job) -> list[str]:
+    """`croupier serve`'s flags for a case: a 10% cache is the server's memory cache at that many
+    bytes (the peers' cache_limit / max_cache_size); otherwise the server's defaults (cache on)."""
+    return ["--cache-memory", str(job.cache_limit), "--metrics-port", "0"] if job.cache_limit else ["--metrics-port", "0"]
+
+
+#: The server's cache counters a case records (server/metrics.py; labelled ones summed).
+CACHE_METRICS = ("croupier_cache_hit_ratio", "croupier_cache_storage_bytes_per_sample", "croupier_cache_fill_bytes",
+                 "croupier_cache_evictions", "croupier_cache_resident_bytes")
+
+
+def cache_metrics(server: Any) -> dict[str, float]:
+    """The server's cache counters from its /metrics, scraped before it stops ({} when there is none)."""
+    import urllib.request
+
+    if not server.metrics_port:
+        return {}
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=10) as r:
+            text = r.read().decode()
+    except OSError:
+        return {}
+    found: dict[str, float] = {}
+    for line in text.splitlines():
+        name, _, value = line.partition(" ")
+        base = name.split("{", 1)[0].removesuffix("_total")
+        if base in CACHE_METRICS:
+            found[base] = found.get(base, 0.0) + float(value.rsplit(" ", 1)[-1])
+    return found
 
 
 def _notes(ranks: list[list[dict[str, Any]]]) -> list[str]:
