@@ -327,9 +327,9 @@ def markdown(rep: dict[str, Any], plots: list[str]) -> str:
 
 
 NOT_MEASURED = [
-    "Peers (Mosaic Streaming, LitData) side by side: their venvs (bench/peers/venvs.py, under "
-    "~/.cache/croupier/peer-venvs) are not built on this machine, and building them (torch wheels) takes longer "
-    "than this run; `croupier bench --suite peers` measures them where they are.",
+    "Peers side by side: `python -m croupier.bench.peers --cache` (bench/results/peers-cache.md) runs croupier, "
+    "Mosaic Streaming and LitData, each with its cache at its default and at 10% of the data, on the FUSE mount "
+    "with the kernel's defaults and the raised one (`--cache s3`: on S3).",
 ]
 
 
