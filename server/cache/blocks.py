@@ -12,8 +12,7 @@ from __future__ import annotations
 import hashlib
 import os
 from collections.abc import Iterator
-from dataclasses import dataclass
-from functools import cached_property
+from dataclasses import dataclass, field
 
 #: Bytes per block. Through a FUSE mount at 5 ms (latencyfs, kernel defaults) one
 #: sequential pread of 1 MiB took 20 ms (8 requests of 128 KiB), 4 MiB 104 ms: the cost
@@ -47,17 +46,18 @@ class FileKey:
         """An object's version: its URL, size and ETag (a rewritten object has another ETag)."""
         return cls(url, size, 0, etag)
 
-    @cached_property  # hashed once per key, not at every lookup of it
-    def path_id(self) -> str:
-        """A name for the path alone: every version of the file shares it."""
-        return hashlib.sha256(self.real_path.encode("utf-8", "surrogateescape")).hexdigest()[:24]
+    def __post_init__(self) -> None:
+        # Both names hashed once, at creation (every key is registered, which needs both):
+        # plain attributes, read without a descriptor, a lock or a hash at each lookup.
+        path = self.real_path.encode("utf-8", "surrogateescape")
+        tail = f"\0{self.size}\0{self.mtime_ns}" + (f"\0{self.etag}" if self.etag else "")
+        object.__setattr__(self, "path_id", hashlib.sha256(path).hexdigest()[:24])
+        object.__setattr__(self, "version_id", hashlib.sha256(path + tail.encode("utf-8", "surrogateescape")).hexdigest()[:24])
 
-    @cached_property
-    def version_id(self) -> str:
-        """A name for this version (path, size, mtime, and the ETag of an object)."""
-        raw = f"{self.real_path}\0{self.size}\0{self.mtime_ns}" + (f"\0{self.etag}" if self.etag else "")
-        raw = raw.encode("utf-8", "surrogateescape")
-        return hashlib.sha256(raw).hexdigest()[:24]
+    #: A name for the path alone: every version of the file shares it.
+    path_id: str = field(init=False, repr=False, compare=False)
+    #: A name for this version (path, size, mtime, and the ETag of an object).
+    version_id: str = field(init=False, repr=False, compare=False)
 
     def blocks(self) -> int:
         return (self.size + BLOCK_BYTES - 1) // BLOCK_BYTES
