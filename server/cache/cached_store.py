@@ -17,20 +17,18 @@ import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from ..storage.base import FileEntry, Range, Store
+from ..storage.base import ForwardingStore, Range, Store
 from .block_cache import BlockCache
 from .blocks import FileKey
 from .fill import DatasetFill, FillFile, FillSource
 from .whole_files import WholeFiles
 
 
-class CachedStore(Store):
+class CachedStore(ForwardingStore):
     def __init__(self, inner: Store, cache: BlockCache, name: str = "", owns_inner: bool = True):
-        super().__init__()
-        self.inner = inner
+        super().__init__(inner)
         self.cache = cache
         self.name = name
-        self.scheme = inner.scheme
         self.stats = inner.stats  # storage reads, counted once
         self._owns_inner = owns_inner
         self._keys: dict[str, FileKey] = {}  # pinned path -> the version opened
@@ -43,33 +41,9 @@ class CachedStore(Store):
     def __getattr__(self, name: str) -> Any:  # pool, native, read_paths...: the inner store's
         return getattr(self.inner, name)
 
-    # ---- naming and open time: the inner store's ---------------------------------------
-    def url(self, path: str) -> str:
-        return self.inner.url(path)
-
-    def join(self, base: str, *parts: str) -> str:
-        return self.inner.join(base, *parts)
-
-    def size(self, path: str) -> int:
-        return self.inner.size(path)
-
-    def is_file(self, path: str) -> bool:
-        return self.inner.is_file(path)
-
-    def is_dir(self, path: str) -> bool:
-        return self.inner.is_dir(path)
-
-    def list_dir(self, path: str) -> tuple[list[str], list[FileEntry]]:
-        return self.inner.list_dir(path)
-
-    def list_names(self, path: str) -> tuple[list[str], list[str]]:
-        return self.inner.list_names(path)
-
+    # ---- naming and open time: the inner store's (ForwardingStore) -----------------------
     def read_range(self, path: str, offset: int, size: int) -> bytes:
         return self.inner.read_range(path, offset, size)
-
-    def _read_range(self, path: str, offset: int, size: int) -> bytes:  # pragma: no cover - read_range is the inner's
-        return self.inner._read_range(path, offset, size)
 
     def pin(self, path: str) -> None:
         """Pin in the inner store (its checks), then key the file it opened."""

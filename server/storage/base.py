@@ -285,3 +285,41 @@ class Store(abc.ABC):
 
     def close(self) -> None:
         """Release files, threads and connections."""
+
+
+class ForwardingStore(Store):
+    """A store seen through another (`inner`): naming and open-time calls are the inner
+    store's, as are its reads until a subclass says otherwise (the server's cache; tests'
+    wrappers that hold reads)."""
+
+    def __init__(self, inner: Store):
+        super().__init__()
+        self.inner = inner
+        self.scheme = inner.scheme
+
+    def url(self, path: str) -> str:
+        return self.inner.url(path)
+
+    def join(self, base: str, *parts: str) -> str:
+        return self.inner.join(base, *parts)
+
+    def size(self, path: str) -> int:
+        return self.inner.size(path)
+
+    def is_file(self, path: str) -> bool:
+        return self.inner.is_file(path)
+
+    def is_dir(self, path: str) -> bool:
+        return self.inner.is_dir(path)
+
+    def list_dir(self, path: str) -> tuple[list[str], list[FileEntry]]:
+        return self.inner.list_dir(path)
+
+    def list_names(self, path: str) -> tuple[list[str], list[str]]:
+        return self.inner.list_names(path)
+
+    def _read_range(self, path: str, offset: int, size: int) -> bytes:
+        return self.inner._read_range(path, offset, size)
+
+    async def _read(self, path: str, offset: int, size: int) -> bytes:
+        return await self.inner._read(path, offset, size)

@@ -34,7 +34,7 @@ from typing import Any
 
 from .base import FileEntry, FileVersion, Range, Store
 from . import native
-from .local import LocalStore, _pread_all, fd_version, read_whole_versioned_fd, scandir_names
+from .local import LocalStore, _pread_all, path_version, read_whole_versioned_fd, scandir_names
 from .native import roots_blob
 
 #: Linux: the kernel's path of an open descriptor, authoritative after symlinks.
@@ -204,15 +204,15 @@ class ConfinedStore(Store):
     def submit_whole(self, path: str, callback: Callable[..., None]) -> bool:
         """The file read whole without a task: opened, checked under the roots and read by
         a native thread, as `read` does; False where that is not how it is read."""
-        if path in self._pins or self._native is None:
-            return False
-        native.start_whole(self._native, self.stats, path, self._roots_blob, callback, False, self._native_error)
-        return True
+        return self._start_whole(path, callback, versioned=False)
 
     def submit_whole_versioned(self, path: str, callback: Callable[..., None]) -> bool:
+        return self._start_whole(path, callback, versioned=True)
+
+    def _start_whole(self, path: str, callback: Callable[..., None], versioned: bool) -> bool:
         if path in self._pins or self._native is None:
             return False
-        native.start_whole(self._native, self.stats, path, self._roots_blob, callback, True, self._native_error)
+        native.start_whole(self._native, self.stats, path, self._roots_blob, callback, versioned, self._native_error)
         return True
 
     def submit_version(self, path: str, callback: Callable[[FileVersion | None], None]) -> bool:
@@ -263,18 +263,9 @@ class ConfinedStore(Store):
         try:
             if self._native is not None:
                 return native.identify_result(await self._native.identify(path, self._roots_blob))
-            return await self.inner.pool.submit(self._version_checked, path)
+            return await self.inner.pool.submit(path_version, path, lambda real: under(real, self.roots))
         except OSError:
             return None
-
-    def _version_checked(self, path: str) -> FileVersion | None:
-        fd = os.open(path, getattr(os, "O_PATH", os.O_RDONLY) | os.O_CLOEXEC)
-        try:
-            st = os.fstat(fd)
-            version = fd_version(fd, path, st)
-            return version if under(version.real, self.roots) and stat.S_ISREG(st.st_mode) else None
-        finally:
-            os.close(fd)
 
     async def _read_ranges(self, path: str, ranges: Sequence[Range]) -> list[bytes]:
         if self._native is not None:

@@ -148,11 +148,16 @@ def read_whole_versioned_fd(fd: int, path: str) -> tuple[bytes, FileVersion]:
     return data, version
 
 
-def path_version(path: str) -> FileVersion:
-    """Which file `path` names now, opened O_PATH (no open on the file system)."""
+def path_version(path: str, inside: Callable[[str], bool] | None = None) -> FileVersion | None:
+    """Which file `path` names now, opened O_PATH (no open on the file system): the Python
+    pool's `NativeReadPool.identify`. None where it is no regular file, or its resolved path
+    is not `inside`."""
     fd = os.open(path, getattr(os, "O_PATH", os.O_RDONLY) | os.O_CLOEXEC)
     try:
-        return fd_version(fd, path)
+        st = os.fstat(fd)
+        version = fd_version(fd, path, st)
+        ok = stat.S_ISREG(st.st_mode) and (inside is None or inside(version.real))
+        return version if ok else None
     finally:
         os.close(fd)
 
@@ -540,17 +545,16 @@ class LocalStore(Store):
         return await super()._read_ranges(path, ranges)
 
     def submit_whole(self, path: str, callback: Callable[..., None]) -> bool:
+        return self._start_whole(path, callback, versioned=False)
+
+    def submit_whole_versioned(self, path: str, callback: Callable[..., None]) -> bool:
+        return self._start_whole(path, callback, versioned=True)
+
+    def _start_whole(self, path: str, callback: Callable[..., None], versioned: bool) -> bool:
         if self.native is None or path in self._pinned:  # a pinned file: its read path of choice, awaited
             return False
         self.path_reads["pread"] += 1
-        native.start_whole(self.native, self.stats, path, None, callback, False)
-        return True
-
-    def submit_whole_versioned(self, path: str, callback: Callable[..., None]) -> bool:
-        if self.native is None or path in self._pinned:
-            return False
-        self.path_reads["pread"] += 1
-        native.start_whole(self.native, self.stats, path, None, callback, True)
+        native.start_whole(self.native, self.stats, path, None, callback, versioned)
         return True
 
     def submit_version(self, path: str, callback: Callable[[FileVersion | None], None]) -> bool:
