@@ -231,6 +231,33 @@ def test_a_watch_asks_for_one_probe_when_reads_queue_behind_a_cap_and_none_other
     assert run(few, 0.0, 10) == 0  # one read at a time (100 ms each) asks nothing of a cap
 
 
+def test_a_watch_spends_no_probe_on_one_short_window_and_none_of_its_interval_on_a_false_alarm() -> None:
+    # As a full test suite made happen: the first window on a fresh mount completed 8 of 62
+    # reads asked (threads starting), a probe found preads uncapped, and the real cap set
+    # a second later went unseen for the whole interval.
+    def window(watch: readpath.Watch, t0: float, per_s: int) -> bool:
+        asked = False
+        for i in range(per_s):  # one 1 s window: per_s reads land (and as many start)
+            t = t0 + (i + 1) / per_s
+            asked |= watch.finished(1, t)
+            watch.started(1, t)
+        return asked
+
+    watch = readpath.Watch(0.020, now=0.0, window_s=1.0, interval_s=600.0)
+    watch.started(64, 0.0)
+    assert [window(watch, t, per_s) for t, per_s in ((0, 400), (1, 3200), (2, 3200))] == [False] * 3  # a blip
+    assert [window(watch, t, 400) for t in (3, 4)] == [False, True]  # short twice in a row: a probe
+    # the probe kept the path (a busy CPU, say): no interval spent, but twice the patience
+    after = watch.confirmed(0.020, 5.0)
+    after.started(64, 5.0)
+    assert after.patience == 4
+    assert [window(after, t, 400) for t in (5, 6, 7, 8)] == [False, False, False, True]
+    # a probe that changed the path spends the interval: no more for 600 s however short
+    changed = readpath.Watch(0.020, now=9.0, window_s=1.0, interval_s=600.0, last_probe=8.0)
+    changed.started(64, 9.0)
+    assert not any(window(changed, t, 400) for t in range(9, 20))
+
+
 @contextlib.contextmanager
 def _fuse_control() -> Iterator[Path]:
     """/sys/fs/fuse/connections, mounted (fusectl) for the test when it is not already."""

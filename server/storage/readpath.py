@@ -320,6 +320,8 @@ PATH_WORDS = {"pread": "preads", "mmap": "page faults of a mapping", "direct": "
 #: REVISIT_INTERVAL_S (a probe is about 0.3 s of reads on a capped mount, off the loop).
 REVISIT_WINDOW_S = 2.0
 REVISIT_INTERVAL_S = 600.0
+#: Short windows in a row before the first probe again (each confirming probe doubles it).
+REVISIT_PATIENCE = 2
 
 
 class Watch:
@@ -330,19 +332,27 @@ class Watch:
     asked: the mean reads in flight at the store on the mount over the window (the area
     under in-flight, over time); achieved: the completions per second times the latency
     the probe measured one read at a time (L0), the reads the storage completed at once.
-    Achieved under half of asked, with at least _MIN_CONCURRENCY asked: reads are queueing
-    behind a cap, so `finished` says to probe the mount again, at most once per
-    `interval_s`. A storage that merely got slower looks the same; the probe tells them
-    apart (it measures L0 again), and the interval bounds what it costs."""
+    Achieved under half of asked, with at least _MIN_CONCURRENCY asked, in `patience`
+    windows in a row: reads are queueing behind a cap, so `finished` says to probe the
+    mount again, at most once per `interval_s`. One short window is not enough: the first
+    reads on a mount (threads starting, the daemon's own warm-up) or a busy CPU make one,
+    and a probe spent on it would leave a real cap unseen for the interval. A storage that
+    merely got slower looks the same; the probe tells them apart (it measures L0 again).
+    A probe that keeps the path (`confirmed`) spends none of the interval, and doubles
+    the patience of the next: false alarms cost ever less often."""
 
     __slots__ = ("latency_s", "window_s", "interval_s", "in_flight", "last_probe", "last_window",
-                 "_area", "_done", "_t0", "_t_last")
+                 "patience", "_before_probe", "_short", "_area", "_done", "_t0", "_t_last")
 
     def __init__(self, latency_s: float, now: float, window_s: float = REVISIT_WINDOW_S,
-                 interval_s: float = REVISIT_INTERVAL_S, last_probe: float = -math.inf):
+                 interval_s: float = REVISIT_INTERVAL_S, last_probe: float = -math.inf,
+                 patience: int = REVISIT_PATIENCE):
         self.latency_s, self.window_s, self.interval_s = latency_s, window_s, interval_s
         self.in_flight = 0
         self.last_probe = last_probe  # when the watch last asked for a probe (the first probe is free)
+        self._before_probe = last_probe  # last_probe before that ask (restored by `confirmed`)
+        self.patience = patience  # short windows in a row that ask for a probe
+        self._short = 0  # short windows in a row so far
         self.last_window: tuple[float, float] | None = None  # (asked, achieved) of the last full window
         self._area, self._done, self._t0, self._t_last = 0.0, 0, now, now
 
@@ -363,7 +373,17 @@ class Watch:
         asked, achieved = self._area / span, self._done / span * self.latency_s
         self.last_window = (asked, achieved)
         self._area, self._done, self._t0 = 0.0, 0, now
-        if asked < _MIN_CONCURRENCY or achieved >= _UNCAPPED_SHARE * asked or now - self.last_probe < self.interval_s:
+        if asked < _MIN_CONCURRENCY or achieved >= _UNCAPPED_SHARE * asked:
+            self._short = 0
             return False
-        self.last_probe = now
+        self._short += 1
+        if self._short < self.patience or now - self.last_probe < self.interval_s:
+            return False
+        self._short = 0
+        self._before_probe, self.last_probe = self.last_probe, now
         return True
+
+    def confirmed(self, latency_s: float, now: float) -> "Watch":
+        """The watch that follows a probe that kept the path: the interval as before that
+        probe, twice the patience, the L0 just measured."""
+        return Watch(latency_s, now, self.window_s, self.interval_s, self._before_probe, 2 * self.patience)
