@@ -1,7 +1,8 @@
 """A table's warm rows cross into storage once per group of rows, not once per sample.
 
-Only on a local file system: on a FUSE mount a group's slowest read would hold the rest,
-so rows there are read one at a time. Real Arrow IPC files read by range through a real
+Only where reads land at once: on a local file system, or where the server's cache holds
+the whole file in memory. Elsewhere (a FUSE mount) a group's slowest read would hold the
+rest, so rows there are read one at a time. Real Arrow IPC files read by range through a real
 LocalStore (the native read pool where it is built); the store's `submit_ranges` calls are
 counted, on a stream alone and on a shared epoch (the server's default path), and every
 sample still arrives exactly once, in its batch and position, with its own bytes.
@@ -19,7 +20,11 @@ import pyarrow.ipc as ipc
 
 from croupier.bench import latencyfs
 from croupier.protocol.epoch_plan import EpochPlan
+from croupier.server.cache.block_cache import BlockCache
+from croupier.server.cache.cached_store import CachedStore
+from croupier.server.cache.sizing import CacheSizes
 from croupier.server.readers.arrow_ipc import ArrowIPCReader
+from croupier.server.storage.base import Store
 from croupier.server.storage.local import LocalStore
 from croupier.server.stream.dealer import Dealer
 from croupier.server.stream.fetch_limits import FetchLimits
@@ -40,7 +45,7 @@ def _table(path: Path) -> None:
 class Crossings:
     """Counts the calls into the store's batched read path and the ranges they carry."""
 
-    def __init__(self, store: LocalStore):
+    def __init__(self, store: Store):
         self.calls = 0
         self.ranges = 0
         inner = store.submit_ranges
@@ -53,11 +58,14 @@ class Crossings:
         store.submit_ranges = counted  # type: ignore[method-assign]
 
 
-async def _stream(path: Path, shared: bool) -> tuple[list, Crossings]:
-    store = LocalStore(io_threads=16)
+async def _stream(path: Path, shared: bool, store: Store | None = None) -> tuple[list, Crossings]:
+    store = store if store is not None else LocalStore(io_threads=16)
     reader = ArrowIPCReader("t", str(path), store=store)
     for first in range(0, ROWS, RECORD_BATCH):  # every record batch's structural pages cached: all rows warm
         await reader.read(first)
+    if isinstance(store, CachedStore):  # the fill the first read started (if any), to its end
+        assert await asyncio.to_thread(store.fill_done, 30)
+        store.cache.stats.misses = 0  # the warming reads' misses: the stream's are counted
     crossings = Crossings(store)
     plan = EpochPlan(ROWS, seed=3, epoch=0, batch_size=BATCH_SIZE)
     # The in-flight bound (256) never cuts a group: at most 3 batches of 64 are read at once.
@@ -103,3 +111,36 @@ def test_a_table_on_a_fuse_mount_is_read_one_row_at_a_time(tmp_path: Path) -> No
     _check_exactly_once(got)
     assert crossings.ranges == ROWS
     assert crossings.calls == ROWS  # one storage call per row, as before groups
+
+
+def test_a_table_the_server_cache_holds_whole_is_read_in_groups_even_on_a_fuse_mount(tmp_path: Path) -> None:
+    # Later epochs of data that fits the cache: every read lands from memory at once, so the
+    # per-row Python a group saves is worth saving there too (bench/results/cpu_per_sample.md).
+    (tmp_path / "src").mkdir()
+    _table(tmp_path / "src" / "t.arrow")
+    with latencyfs.mounted(tmp_path / "src", median_ms=0, distribution="fixed") as fs:
+        cache = BlockCache(CacheSizes(memory_bytes=64 << 20, fill="always"))  # the whole file, filled
+        store = CachedStore(LocalStore(io_threads=16), cache, "t")
+        try:
+            got, crossings = asyncio.run(_stream(fs.path / "t.arrow", shared=True, store=store))
+        finally:
+            store.close()
+    _check_exactly_once(got)
+    assert crossings.ranges == ROWS
+    assert crossings.calls == (ROWS // BATCH_SIZE) * math.ceil(BATCH_SIZE / READ_GROUP)
+    assert cache.stats.misses == 0 and cache.stats.hits >= ROWS  # and every row from memory
+
+
+def test_a_file_the_cache_holds_in_part_is_still_read_one_row_at_a_time(tmp_path: Path) -> None:
+    (tmp_path / "src").mkdir()
+    _table(tmp_path / "src" / "t.arrow")
+    with latencyfs.mounted(tmp_path / "src", median_ms=0, distribution="fixed") as fs:
+        cache = BlockCache(CacheSizes(memory_bytes=64 << 20, fill="never"))  # blocks admitted only as rows are read
+        store = CachedStore(LocalStore(io_threads=16), cache, "t")
+        try:
+            got, crossings = asyncio.run(_stream(fs.path / "t.arrow", shared=True, store=store))
+            assert not store.held_in_memory(str(fs.path / "t.arrow"))
+        finally:
+            store.close()
+    _check_exactly_once(got)
+    assert crossings.calls == ROWS

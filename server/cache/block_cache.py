@@ -120,6 +120,10 @@ class BlockCache:
             parts.append(block[start:start + length])
         return b"".join(parts)
 
+    def whole_in_memory(self, key: FileKey) -> bool:
+        """Every block of `key` is in the memory tier (a dict lookup: a count per version)."""
+        return self.memory.held(key.version_id) >= -(-key.size // BLOCK_BYTES)
+
     def on_disk(self, key: FileKey, offset: int, size: int) -> bool:
         if self.disk is None:
             return False

@@ -63,6 +63,11 @@ class CachedStore(ForwardingStore):
             self.cache.release(key)
         self.inner.unpin(path)
 
+    def held_in_memory(self, path: str) -> bool:
+        """A pinned file whose every block the memory tier holds (filled, or read whole)."""
+        key = self._keys.get(path)
+        return key is not None and self.cache.whole_in_memory(key)
+
     def key_of(self, path: str) -> FileKey | None:
         """The cached version of a pinned file (None: not pinned, read straight through)."""
         return self._keys.get(path)

@@ -23,6 +23,8 @@ import asyncio
 import bisect
 import collections
 import functools
+import math
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -97,7 +99,8 @@ class TableReader(Reader):
         self.files = list(files)
         for f in self.files:
             self.store.pin(f)  # read row by row for the dataset's life: keep it open
-        self.reads_in_groups = self.store.scheme == "file" and all(_on_local_file_system(f) for f in self.files)
+        self._local = self.store.scheme == "file" and all(_on_local_file_system(f) for f in self.files)
+        self._held, self._held_asked = False, -math.inf
         self.layouts: list[IPCLayout] = read_layouts(self.store, self.files, cache_dir)
         first = self.layouts[0].schema
         for layout in self.layouts[1:]:
@@ -184,6 +187,19 @@ class TableReader(Reader):
 
     def __len__(self) -> int:
         return self.num_rows
+
+    @property
+    def reads_in_groups(self) -> bool:  # type: ignore[override]
+        """Where reads land at once: files on a local file system (known at open), or all
+        held whole in the server's memory cache (asked again at most once a second, by the
+        issuer at each batch: a fill that ends mid-epoch turns groups on for the rest)."""
+        if self._local:
+            return True
+        now = time.monotonic()
+        if now - self._held_asked >= 1.0:
+            self._held_asked = now
+            self._held = all(self.store.held_in_memory(f) for f in self.files)
+        return self._held
 
     def info(self) -> DatasetInfo:
         return table_info(self, self.schema)

@@ -273,6 +273,11 @@ class Store(abc.ABC):
         `callback(None, error)`. False: await `read_whole_versioned`."""
         return False
 
+    def held_in_memory(self, path: str) -> bool:
+        """Every byte of `path` is in this store's memory (the server's cache tier): its
+        reads land at once, as a local file's do (readers then read in groups)."""
+        return False
+
     def submit_version(self, path: str, callback: "Callable[[FileVersion | None], None]") -> bool:
         """`version` the same way: `callback(version or None)` on the loop. False: await `version`."""
         return False
@@ -320,6 +325,9 @@ class ForwardingStore(Store):
 
     def _read_range(self, path: str, offset: int, size: int) -> bytes:
         return self.inner._read_range(path, offset, size)
+
+    def held_in_memory(self, path: str) -> bool:
+        return self.inner.held_in_memory(path)
 
     async def _read(self, path: str, offset: int, size: int) -> bytes:
         return await self.inner._read(path, offset, size)

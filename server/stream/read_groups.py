@@ -8,7 +8,10 @@ and only what the bounds allow at once, so the bounds hold as they do per sample
 samples complete together, when its last range lands.
 
 Only where reads land at once: a reader asks for groups (`Reader.reads_in_groups`) when
-its files lie on a local block or memory file system. There the server is CPU-bound and
+its files lie on a local block or memory file system, or when the server's cache holds
+every byte of them in memory (`Store.held_in_memory`: data that fits, once filled; the
+issuer asks at each batch, so a fill that ends mid-epoch turns groups on for the rest).
+There the server is CPU-bound and
 a group cut the server's CPU per text row about in half, with twice the rows/s
 (bench/results/cpu_per_sample.md). On latencyfs at 5 ms with the kernel's defaults it
 saved no CPU (each read's completion still wakes the loop) and made fewer rows/s in each

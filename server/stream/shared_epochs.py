@@ -381,8 +381,8 @@ class SharedEpoch:
         the reader reads groups (server/stream/read_groups.py), else one by one."""
         server_reads, stats, observer = self.owner.server_reads, self.owner.stats, self.owner.observer
         budget = self.owner.server_buffer
-        most = group_size(self.reader)
         async for batch, indices, padding in self._batches():
+            most = group_size(self.reader)  # per batch: a cache fill that ends turns groups on
             while not self.stopping and not self._wanted(batch):
                 self.moved.clear()
                 await self.moved.wait()

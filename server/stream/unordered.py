@@ -284,8 +284,8 @@ class UnorderedStream:
         one the cheapest way the reader offers; each lands in `_complete_group`."""
         # Bound once: this loop runs once per group of reads.
         observer, server_reads, tuner = self.observer, self.server_reads, self.tuner
-        most = group_size(self.reader)
         async for batch, indices, padding in self._batches:
+            most = group_size(self.reader)  # per batch: a cache fill that ends turns groups on
             while batch > self.oldest + self.prefetch:
                 if tuner is not None:
                     tuner.bound_hits += 1  # the window holds the issuer: the bound's kin
