@@ -18,6 +18,8 @@ from _common import Job, command_line, guarded, emit, load_state, now, run_epoch
 def read(job: Job) -> None:
     import numpy as np
 
+    import torch  # noqa: F401  (a torch trainer's, imported before it builds its loader, as the peers' runners do)
+
     from croupier.client import Loader
 
     ids = np.asarray(job.extra["ids"], dtype=np.int64) if job.extra.get("ids") else None
