@@ -29,14 +29,17 @@ class ReadStats:
         self._sum = 0.0
 
     # FetchObserver
-    def read_started(self) -> None:
-        self.in_flight += 1
+    def read_started(self, count: int = 1) -> None:
+        self.in_flight += count
 
-    def read_finished(self, seconds: float, ok: bool) -> None:
-        self.in_flight -= 1
+    def read_finished(self, seconds: float, ok: bool, count: int = 1) -> None:
+        self.in_flight -= count
         if not ok:
-            self.failures += 1
-        self._pending.append(seconds)
+            self.failures += count
+        if count == 1:
+            self._pending.append(seconds)
+        else:
+            self._pending.extend([seconds] * count)  # a group's reads landed together: one latency each
         if len(self._pending) >= 1 << 16:
             self._fold()
 

@@ -54,11 +54,11 @@ class CountingObserver:
     def __init__(self) -> None:
         self.started = self.finished = self.abandoned = 0
 
-    def read_started(self) -> None:
-        self.started += 1
+    def read_started(self, count: int = 1) -> None:
+        self.started += count
 
-    def read_finished(self, seconds: float, ok: bool) -> None:
-        self.finished += 1
+    def read_finished(self, seconds: float, ok: bool, count: int = 1) -> None:
+        self.finished += count
 
     def reads_abandoned(self, count: int) -> None:
         self.abandoned += count

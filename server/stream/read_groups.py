@@ -72,13 +72,20 @@ def settle(refs: Sequence[SampleRef], results: Results, seconds: float, sizer: C
            observer: FetchObserver, tuner: Any, server_reads: ReadBudget | None, out: Any) -> int:
     """Landed reads of a group: each (ref, item, bytes, error) appended to `out`, each
     counted finished by the observer, the tuner and the server's read slots; their bytes."""
-    total = 0
+    total = failed = 0
     for pos, item, err in results:
-        observer.read_finished(seconds, err is None)
-        nbytes = sizer(item) if err is None else 0
-        total += nbytes
+        if err is None:
+            nbytes = sizer(item)
+            total += nbytes
+        else:
+            nbytes = 0
+            failed += 1
         out.append((refs[pos], item, nbytes, err))
     k = len(results)
+    if failed < k:
+        observer.read_finished(seconds, True, k - failed)
+    if failed:
+        observer.read_finished(seconds, False, failed)
     if tuner is not None:
         tuner.lat_sum += seconds * k
         tuner.done += k
@@ -111,3 +118,53 @@ def start(reader: Reader, columns: tuple[str, ...], refs: list[SampleRef], group
             task = asyncio.get_running_loop().create_task(read_one(*ctx, ref, t0))
             tasks.add(task)
             task.add_done_callback(tasks.discard)
+
+
+class GroupIssuer:
+    """The loop that issues one batch's reads, group by group as the bounds allow, shared
+    by a stream alone (unordered.py) and a shared epoch (shared_epochs.py). The class that
+    mixes it in holds the attributes below and answers `_no_room`, `_wait_for_room`, the
+    completions `start` calls back, and `_issued` (its own counters)."""
+
+    reader: Reader
+    columns: tuple[str, ...]
+    limits: FetchLimits
+    tuner: Any
+    timers: TimerWheel
+    in_flight: int
+
+    def _no_room(self) -> bool:
+        raise NotImplementedError
+
+    async def _wait_for_room(self) -> None:
+        raise NotImplementedError
+
+    def _issued(self, ctx: tuple[Any, ...], k: int) -> None:
+        """`k` more reads issued for `ctx`'s batch."""
+
+    async def _issue_batch(self, batch: int, indices: Sequence[int], padding: Sequence[bool], ctx: tuple[Any, ...],
+                           tasks: set[asyncio.Task[None]], observer: FetchObserver, server_reads: ReadBudget | None,
+                           server_buffer: BufferBudget | None) -> None:
+        """Start every read of `batch`: each group once there is room under the stream's
+        bounds and the server's read slots, at most READ_GROUP samples where the reader
+        reads groups now (asked per batch: a cache fill that ends turns them on)."""
+        most = group_size(self.reader)
+        tuner, limits = self.tuner, self.limits
+        n, pos = len(indices), 0
+        while pos < n:
+            while self._no_room():
+                if tuner is not None and self.in_flight >= limits.max_reads_per_stream:
+                    tuner.bound_hits += 1
+                await self._wait_for_room()
+            k = min(most, n - pos)
+            if k > 1:
+                k = min(k, room(limits, self.in_flight, server_buffer))
+            k = await take_slots(server_reads, k)
+            refs = [SampleRef(batch, p, indices[p], padding[p]) for p in range(pos, pos + k)]
+            pos += k
+            self.in_flight += k
+            self._issued(ctx, k)
+            observer.read_started(k)
+            start(self.reader, self.columns, refs, most > 1, self.timers, tasks, ctx,
+                  group_done=self._complete_group, fetch_after_wait=self._fetch_after_wait,  # type: ignore[attr-defined]
+                  complete_read=self._complete_read, read_one=self._read_one)  # type: ignore[attr-defined]

@@ -58,7 +58,7 @@ from croupier.server.stream.budgets import BufferBudget, ReadBudget
 from croupier.server.stream.dealer import Dealer
 from croupier.server.stream.fetch_limits import FetchLimits
 from croupier.server.stream.rank_batches import StreamRange, plan_batches
-from croupier.server.stream.read_groups import Results, group_size, room, settle, start, take_slots
+from croupier.server.stream.read_groups import GroupIssuer, Results, settle
 from croupier.server.stream.read_observer import FetchObserver, NoObserver
 from croupier.server.stream.sample_chunks import PendingChunk, SampleRef
 from croupier.server.stream.timer_wheel import TimerWheel
@@ -139,7 +139,7 @@ def share_key(reader: Reader, plan: EpochPlan, rank: int, columns: tuple[str, ..
     return (reader, plan, rank, columns)
 
 
-class SharedEpoch:
+class SharedEpoch(GroupIssuer):
     """One reading cursor over one rank's batches, and the window its subscribers share."""
 
     def __init__(
@@ -379,44 +379,32 @@ class SharedEpoch:
     async def _issue(self) -> None:
         """Read the rank's batches in order while subscribers want them, in groups where
         the reader reads groups (server/stream/read_groups.py), else one by one."""
-        server_reads, stats, observer = self.owner.server_reads, self.owner.stats, self.owner.observer
+        server_reads, observer = self.owner.server_reads, self.owner.observer
         budget = self.owner.server_buffer
         async for batch, indices, padding in self._batches():
-            most = group_size(self.reader)  # per batch: a cache fill that ends turns groups on
             while not self.stopping and not self._wanted(batch):
                 self.moved.clear()
                 await self.moved.wait()
             if self.stopping:
                 return
-            n = len(indices)
-            rec = self.batches[batch] = _Batch(n)
+            rec = self.batches[batch] = _Batch(len(indices))
             self.cursor = batch + 1
             for sub in self.listeners:
                 sub.wake.set()
-            pos = 0
-            while pos < n:
-                while self._no_room():
-                    if self.tuner is not None and self.in_flight >= self.limits.max_reads_per_stream:
-                        self.tuner.bound_hits += 1
-                    self.moved.clear()
-                    if budget is not None and budget.used > budget.limit:
-                        budget.wait_for_room(self.moved)
-                    await self.moved.wait()
-                k = min(most, n - pos)
-                if k > 1:
-                    k = min(k, room(self.limits, self.in_flight, budget))
-                k = await take_slots(server_reads, k)
-                refs = [SampleRef(batch, p, indices[p], padding[p]) for p in range(pos, pos + k)]
-                pos += k
-                self.in_flight += k
-                rec.issued += k
-                self.reads += k
-                stats.reads += k
-                for _ in refs:
-                    observer.read_started()
-                start(self.reader, self.columns, refs, most > 1, self.timers, self.tasks, (rec,),
-                      group_done=self._complete_group, fetch_after_wait=self._fetch_after_wait,
-                      complete_read=self._complete_read, read_one=self._read_one)
+            await self._issue_batch(batch, indices, padding, (rec,), self.tasks, observer, server_reads, budget)
+
+    def _issued(self, ctx: tuple[Any, ...], k: int) -> None:
+        ctx[0].issued += k
+        self.reads += k
+        self.owner.stats.reads += k
+
+    async def _wait_for_room(self) -> None:
+        """Until something moves; past the server's buffer total, also until it is back under."""
+        self.moved.clear()
+        budget = self.owner.server_buffer
+        if budget is not None and budget.used > budget.limit:
+            budget.wait_for_room(self.moved)
+        await self.moved.wait()
 
     def sent(self, samples: int, nbytes: int, starved_s: float) -> None:
         """A subscriber sent a chunk. The tuner sees the mean attached subscriber: the

@@ -28,7 +28,7 @@ from croupier.server.readers.latency import TICK_S
 from croupier.server.stream.budgets import BufferBudget, ReadBudget
 from croupier.server.stream.fetch_limits import FetchLimits
 from croupier.server.stream.rank_batches import StreamRange
-from croupier.server.stream.read_groups import Results, group_size, room, settle, start, take_slots
+from croupier.server.stream.read_groups import GroupIssuer, Results, settle
 from croupier.server.stream.read_observer import FetchObserver, NoObserver
 from croupier.server.stream.sample_chunks import PendingChunk, SampleChunk, SampleRef
 from croupier.server.stream.timer_wheel import TimerWheel
@@ -55,7 +55,7 @@ class UnorderedState:
     closed: bool
 
 
-class UnorderedStream:
+class UnorderedStream(GroupIssuer):
     """One rank's batches `span` of a plan, read concurrently and sent as they complete.
 
     Guarantees: every sample of `span` exactly once, in completion order; each batch
@@ -285,32 +285,13 @@ class UnorderedStream:
         # Bound once: this loop runs once per group of reads.
         observer, server_reads, tuner = self.observer, self.server_reads, self.tuner
         async for batch, indices, padding in self._batches:
-            most = group_size(self.reader)  # per batch: a cache fill that ends turns groups on
             while batch > self.oldest + self.prefetch:
                 if tuner is not None:
                     tuner.bound_hits += 1  # the window holds the issuer: the bound's kin
                 self.moved.clear()
                 await self.moved.wait()
-            n = len(indices)
-            self.unreceived[batch] = self.unsent[batch] = n
-            pos = 0
-            while pos < n:
-                while self._no_room():
-                    if tuner is not None and self.in_flight >= self.limits.max_reads_per_stream:
-                        tuner.bound_hits += 1
-                    await self._wait_for_room()
-                k = min(most, n - pos)
-                if k > 1:
-                    k = min(k, room(self.limits, self.in_flight, self.server_buffer))
-                k = await take_slots(server_reads, k)
-                refs = [SampleRef(batch, p, indices[p], padding[p]) for p in range(pos, pos + k)]
-                pos += k
-                self.in_flight += k
-                for _ in refs:
-                    observer.read_started()
-                start(self.reader, self.columns, refs, most > 1, self.timers, self.reads, (),
-                      group_done=self._complete_group, fetch_after_wait=self._fetch_after_wait,
-                      complete_read=self._complete_read, read_one=self._read_one)
+            self.unreceived[batch] = self.unsent[batch] = len(indices)
+            await self._issue_batch(batch, indices, padding, (), self.reads, observer, server_reads, self.server_buffer)
 
     def _no_room(self) -> bool:
         limits = self.limits
