@@ -12,6 +12,11 @@ it the same way, through the kernel or over HTTP.
 * S3: the loopback S3 server (its own process) serving the same folder as a bucket,
   20 ms lognormal sigma 0.5 per request, in the server; croupier serves s3:// URLs
   (obstore range GETs), the baselines read the bucket as their users do (s3baselines).
+* a bucket through a mount: the same S3 server and latency, the bucket mounted by a real
+  FUSE client of object storage with its documented defaults (`rclone mount`, `s3fs`;
+  bench/bucket_mount.py), mounted afresh before each case (no client or kernel cache
+  carried over). Every system reads the mount's paths, croupier too; croupier on the
+  bucket's s3:// URLs is the S3 condition's row, beside it in the same run.
 * page cache: croupier on the plain local files, read once before the case: the CPU
   ceiling (nothing to wait for), measured at the start and at the end of the suite.
 
@@ -67,7 +72,7 @@ BUCKET = "bench"
 
 @dataclass(frozen=True)
 class Condition:
-    key: str  # "local", "fuse", "s3"
+    key: str  # "local", "fuse", "s3", or a bucket mount: "rclone", "s3fs"
     name: str
     median_ms: float = 0.0
     sigma: float = SIGMA
@@ -104,6 +109,17 @@ def latency_fs_cold(ms: float = 5.0, every_s: float = 0.5) -> Condition:
 
 def s3(ms: float = 20.0) -> Condition:
     return Condition("s3", f"S3 {ms:g} ms", ms)
+
+
+#: FUSE clients that mount a bucket (bench/bucket_mount.py), by condition key.
+BUCKET_MOUNTS = ("rclone", "s3fs")
+
+
+def bucket_mount(client: str, ms: float = 20.0) -> Condition:
+    """The S3 condition's bucket, mounted by `client` ("rclone" or "s3fs") with its defaults."""
+    if client not in BUCKET_MOUNTS:
+        raise ValueError(f"bucket mount client {client!r}: expected one of {', '.join(BUCKET_MOUNTS)}")
+    return Condition(client, f"{client} mount of S3 {ms:g} ms", ms)
 
 
 @dataclass(frozen=True)
@@ -174,9 +190,23 @@ def real() -> RealSuite:
     # memory-mapped readers' 128 KB read-around warms it within seconds; a data set much larger than
     # memory would not. Images are read once per epoch, so they need no such variant.
     cold = {"text": (CROUPIER, dataloader(2), dataloader(8))}
+    # A bucket through the FUSE clients users mount it with: croupier given the mount path against the
+    # DataLoaders through the same mount (croupier on s3:// is the S3 condition's row).
+    mounted = {"text": (CROUPIER, dataloader(2), dataloader(8)), "imagefolder": (CROUPIER, dataloader(2), dataloader(8))}
     return RealSuite(name="real", data=DataSpec(text_rows=1_000_000, images=20_000, shard_size=1_000),
                      matrix=((latency_fs(5.0), every), (latency_fs_kernel_defaults(5.0), every),
-                             (latency_fs_cold(5.0, 0.5), cold), (s3(20.0), every)))
+                             (latency_fs_cold(5.0, 0.5), cold), (s3(20.0), every),
+                             (bucket_mount("rclone"), mounted), (bucket_mount("s3fs"), mounted)))
+
+
+def real_mounts() -> RealSuite:
+    """The bucket-mount conditions of `real` alone, beside croupier on s3:// (the same data, about
+    5 minutes): results/real-mounts.md, between full runs of the suite."""
+    full = real()
+    mounted = dict(full.matrix)[bucket_mount("rclone")]
+    return replace(full, name="real-mounts", ceilings=(), ceilings_again=False, profile=False,
+                   matrix=((s3(20.0), {ds: (CROUPIER,) for ds in mounted}),
+                           (bucket_mount("rclone"), mounted), (bucket_mount("s3fs"), mounted)))
 
 
 def real_quick() -> RealSuite:
@@ -275,8 +305,53 @@ class S3Storage(StorageUnderTest):
                 "max_in_flight": s["max_in_flight"], "delay_ms": s["delay_ms"]}
 
 
+class BucketMountStorage(StorageUnderTest):
+    """The S3 server's bucket through a FUSE client's mount, mounted afresh before each case."""
+
+    def __init__(self, server: Any, condition: Condition):
+        self.server, self.condition = server, condition
+        self.pid = server.proc.pid if hasattr(server, "proc") else None
+        self.eviction = (f"{condition.key} unmounted and mounted again before each case with its defaults (no file "
+                         "data kept by the client or the kernel from one case to the next); the server's counters "
+                         "are reset before each case")
+        self._mount = contextlib.ExitStack()
+        self.point: Path | None = None
+
+    def _mounted(self) -> Path:
+        from . import bucket_mount as bm
+
+        mount = bm.rclone_mounted if self.condition.key == "rclone" else bm.s3fs_mounted
+        self._mount.close()
+        self.point = self._mount.enter_context(mount(self.server.endpoint, BUCKET))
+        return self.point
+
+    def croupier_path(self, ds: str) -> str:
+        return str((self.point or self._mounted()) / ds)
+
+    def before_case(self, ds: str) -> None:
+        self._mounted()
+
+    def reset(self) -> None:
+        self.server.reset_stats()
+
+    def stats(self) -> dict[str, float]:
+        s = self.server.stats()
+        return {"requests": s["requests"], "bytes": s["bytes"], "in_flight": s["in_flight"],
+                "max_in_flight": s["max_in_flight"], "delay_ms": s["delay_ms"]}
+
+    def close(self) -> None:
+        self._mount.close()
+
+
 def data_path(data: BenchData, ds: str) -> Path:
     return data.paths()[ds]
+
+
+def bucket_mount_unusable(key: str) -> str | None:
+    """Why a bucket-mount condition cannot run here (its client missing, no FUSE), or None."""
+    from . import bucket_mount as bm
+
+    return bm.rclone_unusable() if key == "rclone" else bm.s3fs_unusable()
 
 
 @contextlib.contextmanager
@@ -288,31 +363,45 @@ def open_storage(cond: Condition, data: BenchData) -> Iterator[StorageUnderTest]
                                seed=cond.seed, max_background=cond.max_background) as fs:
             yield LatencyFSStorage(fs, cond)
     elif cond.key == "s3":
-        from . import s3server
-
-        root = Path(tempfile.mkdtemp(prefix="croupier-bench-s3-"))
-        try:
-            (root / BUCKET).symlink_to(data.root.resolve(), target_is_directory=True)
-            with s3server.running(root, latency=s3server.Latency.lognormal(cond.median_ms, cond.sigma, cond.seed),
-                                  process=True) as server:
-                saved = {k: os.environ.get(k) for k in ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3",
-                                                        "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_REGION",
-                                                        "AWS_SESSION_TOKEN", "AWS_PROFILE")}
-                st = S3Storage(server, cond)
-                for k in saved:
+        with _bucket(cond, data) as server:
+            st = S3Storage(server, cond)
+            saved = {k: os.environ.get(k) for k in ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3",
+                                                    "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_REGION",
+                                                    "AWS_SESSION_TOKEN", "AWS_PROFILE")}
+            for k in saved:
+                os.environ.pop(k, None)
+            os.environ.update(st.env)  # croupier serve and the trainers inherit them
+            try:
+                yield st
+            finally:
+                for k, v in saved.items():
                     os.environ.pop(k, None)
-                os.environ.update(st.env)  # croupier serve and the trainers inherit them
-                try:
-                    yield st
-                finally:
-                    for k, v in saved.items():
-                        os.environ.pop(k, None)
-                        if v is not None:
-                            os.environ[k] = v
-        finally:
-            shutil.rmtree(root, ignore_errors=True)
+                    if v is not None:
+                        os.environ[k] = v
+    elif cond.key in BUCKET_MOUNTS:
+        with _bucket(cond, data) as server:
+            mounted = BucketMountStorage(server, cond)
+            try:
+                yield mounted
+            finally:
+                mounted.close()
     else:
         raise ValueError(cond.key)
+
+
+@contextlib.contextmanager
+def _bucket(cond: Condition, data: BenchData) -> Iterator[Any]:
+    """The loopback S3 server (its own process) serving the data folder as bucket BUCKET."""
+    from . import s3server
+
+    root = Path(tempfile.mkdtemp(prefix="croupier-bench-s3-"))
+    try:
+        (root / BUCKET).symlink_to(data.root.resolve(), target_is_directory=True)
+        with s3server.running(root, latency=s3server.Latency.lognormal(cond.median_ms, cond.sigma, cond.seed),
+                              process=True) as server:
+            yield server
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
 
 
 class Evictor:
@@ -669,6 +758,20 @@ def check_targets(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
             out.append(target(f"{ds}, S3: croupier unordered >= 10x the best DataLoader",
                               cr["samples_per_s"] / dl["samples_per_s"], 10.0,
                               f"{cr['samples_per_s']:,.0f} vs {dl['samples_per_s']:,.0f} samples/s ({dl['label']})"))
+    # A bucket through a FUSE client (issue 21): croupier given the mount path >= 2x the best DataLoader
+    # through the same mount; croupier given s3:// >= 10x it.
+    for key in BUCKET_MOUNTS:
+        for ds in ("text", "imagefolder"):
+            dl = _best(results, ds, key)
+            if dl is None:
+                continue
+            for cr, want, how in ((_find(results, ds, key, CROUPIER.label), 2.0, "given the mount path"),
+                                  (_find(results, ds, "s3", CROUPIER.label), 10.0, "given s3://")):
+                if cr is not None:
+                    out.append(target(f"{ds}, {dl['condition']['name']}: croupier unordered {how} >= {want:g}x the "
+                                      "best DataLoader through the mount", cr["samples_per_s"] / dl["samples_per_s"],
+                                      want, f"{cr['samples_per_s']:,.0f} vs {dl['samples_per_s']:,.0f} samples/s "
+                                      f"({dl['label']})"))
     return out
 
 
@@ -724,9 +827,11 @@ class RealRun:
             self.total = sum(len(g) for _, g in plan)
             fuse_reason = latencyfs.check_available()
             for cond, todo in plan:
-                if cond.key == "fuse" and fuse_reason:
-                    rep["skipped"].append(f"{cond.name}: skipped, latencyfs is unusable here: {fuse_reason}")
-                    self.say(f"skipping {cond.name}: {fuse_reason}")
+                why = (f"latencyfs is unusable here: {fuse_reason}" if cond.key == "fuse" and fuse_reason else
+                       bucket_mount_unusable(cond.key) if cond.key in BUCKET_MOUNTS else None)
+                if why:
+                    rep["skipped"].append(f"{cond.name}: skipped, {why}")
+                    self.say(f"skipping {cond.name}: {why}")
                     self.done += len(todo)
                     continue
                 self._condition(cond, todo)

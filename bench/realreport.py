@@ -288,6 +288,14 @@ def markdown(rep: dict[str, Any], plots: list[str]) -> str:
                          f"in the server. Cache: {c['eviction']}."
                          + (f" croupier's tar offset index of the S3 shards was built once before the cases "
                             f"({c['tar_index_s']:.1f} s, `--cache-dir`)." if c.get("tar_index_s") else ""))
+        elif c["key"] in ("rclone", "s3fs"):
+            how = ("`rclone mount` with its defaults (no VFS cache: reads go to the bucket as ranged GETs)"
+                   if c["key"] == "rclone" else "`s3fs` with its defaults (but for the endpoint, path-style "
+                   "requests and a password file of its own)")
+            lines.append(f"- **{name}**: the same loopback S3 server and latency (median {c['median_ms']:g} ms, "
+                         f"sigma {c['sigma']:g}), its bucket mounted by {how}, as users reach a bucket through a "
+                         "mount (bench/bucket_mount.py). Every system reads the mount's paths, croupier too; "
+                         f"croupier on the bucket's `s3://` URLs is the S3 row. Cache: {c['eviction']}.")
         else:
             lines.append(f"- **{name}**: plain local files, {c['eviction']}: croupier's CPU ceiling.")
     for s in rep.get("skipped", []):

@@ -5,7 +5,8 @@
   croupier unordered and ordered vs DataLoader + DistributedSampler with 2 workers).
 * quick: a one-minute smoke run on tiny data (used by the tests).
 * real: every system reading the same files through really slow storage (a latency
-  FUSE mount, a loopback S3 server): see real.py; real-quick is its smoke run.
+  FUSE mount, a loopback S3 server, a bucket through rclone and s3fs): see real.py; real-quick
+  is its smoke run, real-mounts its bucket-mount conditions alone.
 * peers: croupier beside Mosaic Streaming, LitData, tf.data service and torchdata on that
   storage, each peer in its own venv (see peers/); peers-quick is its smoke run.
 """
@@ -119,6 +120,12 @@ def _real():
     return real()
 
 
+def _real_mounts():
+    from .real import real_mounts
+
+    return real_mounts()
+
+
 def _real_quick():
     from .real import real_quick
 
@@ -137,5 +144,5 @@ def _peers_quick():
     return peers_quick()
 
 
-SUITES = {"full": full, "first": first, "quick": quick, "real": _real, "real-quick": _real_quick,
+SUITES = {"full": full, "first": first, "quick": quick, "real": _real, "real-quick": _real_quick, "real-mounts": _real_mounts,
           "peers": _peers, "peers-quick": _peers_quick}

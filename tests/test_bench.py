@@ -189,7 +189,13 @@ def test_the_real_suite_plans_every_system_on_both_slow_storages() -> None:
     plan = suite.plan()
     names = [cond.name for cond, _ in plan]
     assert names == ["page cache (local files)", "latency FS 5 ms", "latency FS 5 ms, kernel defaults",
-                     "latency FS 5 ms, cache dropped every 0.5 s", "S3 20 ms", "page cache (local files)"]
+                     "latency FS 5 ms, cache dropped every 0.5 s", "S3 20 ms", "rclone mount of S3 20 ms",
+                     "s3fs mount of S3 20 ms", "page cache (local files)"]
+    for cond, group in (plan[5], plan[6]):  # a bucket through the FUSE clients users mount it with
+        assert cond.key in ("rclone", "s3fs") and cond.median_ms == 20.0
+        kinds = {(c.dataset, c.system.label) for c in group}
+        for ds in ("text", "imagefolder"):
+            assert {(ds, C.label), (ds, "DataLoader + DistributedSampler, 8 workers")} <= kinds
     assert plan[2][0].max_background == 0  # the kernel's cap on background FUSE requests, left as it is
     for cond, group in (plan[1], plan[2], plan[4]):
         kinds = {(c.dataset, c.system.label) for c in group if c.role == "measure"}
@@ -214,3 +220,39 @@ def test_storage_deltas_are_taken_over_the_steady_window() -> None:
     p.points = [(100.0, 0, 0), (101.0, 1000, 4096_000), (103.0, 3000, 12_288_000)]
     reads, nbytes = p.delta(a, b)
     assert reads == pytest.approx(1000 * (102.4 - 101.1)) and nbytes == pytest.approx(4096 * reads)
+
+
+def test_the_real_suite_reads_a_bucket_through_rclone_and_s3fs_mounts(tmp_path: Path) -> None:
+    """Issue 21's bucket mounts: every system given the mount's paths, the requests counted at the
+    S3 server behind the mount, a fresh mount per case, and the targets against the DataLoader
+    through the same mount (croupier on s3:// from the S3 condition beside it)."""
+    from croupier.bench import bucket_mount
+    from croupier.bench.datagen import DataSpec
+    from croupier.bench.real import CROUPIER as C, RealSuite, bucket_mount as mount_condition, dataloader, run_real, s3
+
+    why = bucket_mount.rclone_unusable() or bucket_mount.s3fs_unusable()
+    if why:
+        pytest.skip(f"bucket mounts unusable here: {why}")
+    systems = {"text": (C, dataloader(0)), "imagefolder": (C, dataloader(0))}
+    suite = RealSuite(name="real-mounts", data=DataSpec(text_rows=2_000, images=200, shard_size=100),
+                      matrix=((s3(20.0), {"text": (C,), "imagefolder": (C,)}),
+                              (mount_condition("rclone"), systems), (mount_condition("s3fs"), systems)),
+                      ceilings=(), ceilings_again=False, world=1, batch=8, max_batches=8, max_seconds=0.3,
+                      hard_seconds=4.0, steady_batches=2, steady_per_warmup=1, profile=False, decode_seconds=0.2)
+    out = tmp_path / "results"
+    rep = run_real(suite, out, tmp_path / "data", "test", say=lambda _: None)
+    assert [e for e in rep["errors"] if "the code changed during the run" not in e] == [] and rep["skipped"] == []
+    mounted = [c for c in rep["cases"] if c["condition"]["key"] in ("rclone", "s3fs")]
+    assert {(c["case"]["dataset"], c["condition"]["key"], c["case"]["system"]["kind"]) for c in mounted} == {
+        (ds, key, kind) for ds in ("text", "imagefolder") for key in ("rclone", "s3fs") for kind in ("croupier", "dataloader")}
+    for c in mounted:
+        assert c["samples"] > 0 and c["storage"]["counted"] and c["storage"]["requests"] > 0  # at the bucket
+    assert "mounted again before each case" in rep["conditions"]["rclone mount of S3 20 ms"]["eviction"]
+    names = {t["target"] for t in rep["targets"]}
+    for key in ("rclone", "s3fs"):
+        for ds in ("text", "imagefolder"):
+            for how, want in (("given the mount path", 2), ("given s3://", 10)):
+                assert (f"{ds}, {key} mount of S3 20 ms: croupier unordered {how} >= {want}x the best DataLoader "
+                        "through the mount") in names
+    md = (out / "real-mounts.md").read_text()
+    assert "**rclone mount of S3 20 ms**" in md and "`rclone mount` with its defaults" in md
