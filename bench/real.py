@@ -283,18 +283,12 @@ class LatencyFSStorage(StorageUnderTest):
                 "max_in_flight": s["max_in_flight"], "delay_ms": s["delay_ms_total"], "slept_ms": s["slept_ms_total"]}
 
 
-class S3Storage(StorageUnderTest):
-    eviction = ("none needed: the latency is the server's, per request (the bucket's files are in the local "
-                "page cache); the server's counters are reset before each case")
+class BucketStorage(StorageUnderTest):
+    """A bucket of the loopback S3 server: what reached it counted by the server itself."""
 
     def __init__(self, server: Any, condition: Condition):
         self.server, self.condition = server, condition
         self.pid = server.proc.pid if hasattr(server, "proc") else None
-        self.env = {"AWS_ENDPOINT_URL": server.endpoint, "AWS_ACCESS_KEY_ID": "bench",
-                    "AWS_SECRET_ACCESS_KEY": "bench", "AWS_REGION": "us-east-1"}
-
-    def croupier_path(self, ds: str) -> str:
-        return f"s3://{BUCKET}/{ds}"
 
     def reset(self) -> None:
         self.server.reset_stats()
@@ -305,12 +299,24 @@ class S3Storage(StorageUnderTest):
                 "max_in_flight": s["max_in_flight"], "delay_ms": s["delay_ms"]}
 
 
-class BucketMountStorage(StorageUnderTest):
+class S3Storage(BucketStorage):
+    eviction = ("none needed: the latency is the server's, per request (the bucket's files are in the local "
+                "page cache); the server's counters are reset before each case")
+
+    def __init__(self, server: Any, condition: Condition):
+        super().__init__(server, condition)
+        self.env = {"AWS_ENDPOINT_URL": server.endpoint, "AWS_ACCESS_KEY_ID": "bench",
+                    "AWS_SECRET_ACCESS_KEY": "bench", "AWS_REGION": "us-east-1"}
+
+    def croupier_path(self, ds: str) -> str:
+        return f"s3://{BUCKET}/{ds}"
+
+
+class BucketMountStorage(BucketStorage):
     """The S3 server's bucket through a FUSE client's mount, mounted afresh before each case."""
 
     def __init__(self, server: Any, condition: Condition):
-        self.server, self.condition = server, condition
-        self.pid = server.proc.pid if hasattr(server, "proc") else None
+        super().__init__(server, condition)
         self.eviction = (f"{condition.key} unmounted and mounted again before each case with its defaults (no file "
                          "data kept by the client or the kernel from one case to the next); the server's counters "
                          "are reset before each case")
@@ -330,14 +336,6 @@ class BucketMountStorage(StorageUnderTest):
 
     def before_case(self, ds: str) -> None:
         self._mounted()
-
-    def reset(self) -> None:
-        self.server.reset_stats()
-
-    def stats(self) -> dict[str, float]:
-        s = self.server.stats()
-        return {"requests": s["requests"], "bytes": s["bytes"], "in_flight": s["in_flight"],
-                "max_in_flight": s["max_in_flight"], "delay_ms": s["delay_ms"]}
 
     def close(self) -> None:
         self._mount.close()
