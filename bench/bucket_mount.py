@@ -107,3 +107,7 @@ def s3fs_mounted(endpoint: str, bucket: str, timeout: float = 20.0) -> Iterator[
             "-o", f"passwd_file={passwd}"]
     with _mounted("s3fs", argv, work, mnt, timeout) as m:
         yield m
+
+
+#: Each client: how to mount a bucket with it, and why it cannot here (None: it can).
+CLIENTS = {"rclone": (rclone_mounted, rclone_unusable), "s3fs": (s3fs_mounted, s3fs_unusable)}

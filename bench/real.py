@@ -56,6 +56,7 @@ from .cases import (
     run_ranks,
     steady_skip,
 )
+from . import bucket_mount as bucket_mounts
 from . import latencyfs
 from .datagen import BenchData, DataSpec, ensure_data
 from .decode import DecodeCeiling
@@ -112,7 +113,7 @@ def s3(ms: float = 20.0) -> Condition:
 
 
 #: FUSE clients that mount a bucket (bench/bucket_mount.py), by condition key.
-BUCKET_MOUNTS = ("rclone", "s3fs")
+BUCKET_MOUNTS = tuple(bucket_mounts.CLIENTS)
 
 
 def bucket_mount(client: str, ms: float = 20.0) -> Condition:
@@ -324,9 +325,7 @@ class BucketMountStorage(BucketStorage):
         self.point: Path | None = None
 
     def _mounted(self) -> Path:
-        from . import bucket_mount as bm
-
-        mount = bm.rclone_mounted if self.condition.key == "rclone" else bm.s3fs_mounted
+        mount, _ = bucket_mounts.CLIENTS[self.condition.key]
         self._mount.close()
         self.point = self._mount.enter_context(mount(self.server.endpoint, BUCKET))
         return self.point
@@ -343,13 +342,6 @@ class BucketMountStorage(BucketStorage):
 
 def data_path(data: BenchData, ds: str) -> Path:
     return data.paths()[ds]
-
-
-def bucket_mount_unusable(key: str) -> str | None:
-    """Why a bucket-mount condition cannot run here (its client missing, no FUSE), or None."""
-    from . import bucket_mount as bm
-
-    return bm.rclone_unusable() if key == "rclone" else bm.s3fs_unusable()
 
 
 @contextlib.contextmanager
@@ -826,7 +818,7 @@ class RealRun:
             fuse_reason = latencyfs.check_available()
             for cond, todo in plan:
                 why = (f"latencyfs is unusable here: {fuse_reason}" if cond.key == "fuse" and fuse_reason else
-                       bucket_mount_unusable(cond.key) if cond.key in BUCKET_MOUNTS else None)
+                       bucket_mounts.CLIENTS[cond.key][1]() if cond.key in BUCKET_MOUNTS else None)
                 if why:
                     rep["skipped"].append(f"{cond.name}: skipped, {why}")
                     self.say(f"skipping {cond.name}: {why}")

@@ -10,6 +10,7 @@ import textwrap
 from pathlib import Path
 from typing import Any
 
+from .bucket_mount import CLIENTS as BUCKET_CLIENTS
 from .report import DATASET_TITLES, targets_table
 from .reporting import header_lines, num
 
@@ -288,7 +289,7 @@ def markdown(rep: dict[str, Any], plots: list[str]) -> str:
                          f"in the server. Cache: {c['eviction']}."
                          + (f" croupier's tar offset index of the S3 shards was built once before the cases "
                             f"({c['tar_index_s']:.1f} s, `--cache-dir`)." if c.get("tar_index_s") else ""))
-        elif c["key"] in ("rclone", "s3fs"):
+        elif c["key"] in BUCKET_CLIENTS:
             how = ("`rclone mount` with its defaults (no VFS cache: reads go to the bucket as ranged GETs)"
                    if c["key"] == "rclone" else "`s3fs` with its defaults (but for the endpoint, path-style "
                    "requests and a password file of its own)")

@@ -359,22 +359,22 @@ class LocalStore(Store):
             return
         with self._pin_lock:
             asked, achieved = watch.last_window or (0.0, 0.0)
+            rates = ", ".join(f"{p} {r:,.0f} reads/s" for p, r in new.rates.items())
+            self._mounts[dev] = new
             if new.path != old.path:
                 self._switch(dev, new)
                 self.revisits.append((old.mount.point, old.path, new.path))
                 log.warning("storage: %s (%s): the read path changed from %s to %s: %.0f reads were asked at once "
                             "but only about %.0f completed (Little's law over %.1f s); measured again: %s",
                             old.mount.point, old.mount.fs_type, old.path, new.path, asked, achieved, watch.window_s,
-                            ", ".join(f"{p} {r:,.0f} reads/s" for p, r in new.rates.items()))
+                            rates)
                 readpath.report(new)
-                self._mounts[dev] = new
                 self._watch(dev, new, last_probe=watch.last_probe)
             else:  # a false alarm (a busy CPU, a slow start, a slower storage): it spends no interval
-                self._mounts[dev] = new
                 self._watches[dev] = watch.confirmed(new.latency_s, time.monotonic())
                 log.info("storage: %s (%s): probed again after %.0f reads were asked at once but only about %.0f "
                          "completed; %s still reads fastest (%s)", old.mount.point, old.mount.fs_type, asked,
-                         achieved, new.path, ", ".join(f"{p} {r:,.0f} reads/s" for p, r in new.rates.items()))
+                         achieved, new.path, rates)
 
     def _switch(self, dev: int, new: readpath.Choice) -> None:
         """Read mount `dev`'s pinned files by `new.path` (with _pin_lock held). The new path's
