@@ -806,7 +806,9 @@ class RealRun:
         self.tar_cache = data_dir.parent / f"{data_dir.name}-tar-index"
         with tempfile.TemporaryDirectory(prefix=f"croupier-bench-{suite.name}-", ignore_cleanup_errors=True) as work:
             self.work = Path(work)
-            self.log = self.work / "server.log"
+            # CROUPIER_BENCH_SERVER_LOG=FILE keeps the servers' logs (else they go with the run's folder)
+            kept = os.environ.get("CROUPIER_BENCH_SERVER_LOG")
+            self.log = Path(kept) if kept else self.work / "server.log"
             self.log.write_text("")
             self.index_file = self._text_index()
             rep["conditions"] = {}

@@ -336,3 +336,42 @@ def test_the_fill_rule_weighs_a_blocks_read_against_the_small_reads_it_replaces(
     assert pays(0.020, 0.0057)
     assert not pays(0.100, 0.0057)  # 100 ms > 16 x 5.7 ms: small reads would do better
     assert pays(0.004, 0.005, block_len=32 << 10) and not pays(0.006, 0.005, block_len=32 << 10)  # a short block: one read
+
+
+@needs_fuse
+def test_a_fill_reads_each_file_as_sequential_streams_on_descriptors_of_their_own(tmp_path: Path) -> None:
+    # A FUSE client of an object store (rclone mount) serves an open file's reads one at a
+    # time and answers a read away from the last one's end with a new GET: the fill reads
+    # streams, each in order on its own descriptor. latencyfs counts the reads that did not
+    # start where their handle's last one ended (seeks); one worker thread serves them in
+    # the order the kernel sent them.
+    src = tmp_path / "src"
+    src.mkdir()
+    blobs = {f"part-{i}.arrow": random.Random(i).randbytes(16 * BLOCK_BYTES + 777) for i in range(2)}
+    for name, data in blobs.items():
+        (src / name).write_bytes(data)
+    with latencyfs.mounted(src, median_ms=0, distribution="fixed", max_threads=1,
+                           max_background=latencyfs.KERNEL_DEFAULT) as fs:
+        cache = BlockCache(CacheSizes(memory_bytes=64 << 20, fill="always"))
+        store = CachedStore(LocalStore(io_threads=16), cache, "t")
+        try:
+            paths = [str(fs.path / name) for name in blobs]
+            for p in paths:
+                store.pin(p)
+            fs.reset_stats()
+            opens_before = fs.stats()["opens"]
+            store._start_fill()
+            assert store.fill_done(60)
+            stats = fs.stats()
+            assert all(store.held_in_memory(p) for p in paths)
+            for p, data in zip(paths, blobs.values()):
+                assert asyncio.run(store.read_ranges(p, [(5, 100), (len(data) - 50, 50)])) == [data[5:105], data[-50:]]
+        finally:
+            store.close()
+    # 2 files of 17 blocks and 4 streams: each file in 2 parts (9 and 8 blocks), one descriptor each
+    assert stats["opens"] - opens_before == 4, stats
+    # every byte once, but for the kernel's readahead past the end of a file's first part
+    assert 0 <= stats["bytes"] - sum(len(d) for d in blobs.values()) <= 2 * BLOCK_BYTES, stats
+    # a stream's reads follow one another (the kernel may split and reorder its readahead a
+    # little); 4 blocks in flight on one descriptor made a seek of nearly every request
+    assert stats["seeks"] <= 4 * 2, (stats["seeks"], stats["requests"])

@@ -102,6 +102,7 @@ static struct {
 	atomic_uint_fast64_t sizes[N_SIZE_BUCKETS];
 	atomic_uint_fast64_t resets;
 	atomic_uint_fast64_t threads_seen; /* distinct worker threads that served a read */
+	atomic_uint_fast64_t seeks;        /* reads not starting where their handle's last one ended */
 } st;
 
 /* Thread ids of the callers whose read()s reached us (the kernel passes the requesting
@@ -137,6 +138,7 @@ static void stats_reset(void)
 	atomic_store(&st.read_ns, 0);
 	atomic_store(&st.errors, 0);
 	atomic_store(&st.opens, 0);
+	atomic_store(&st.seeks, 0);
 	atomic_store(&st.max_request, 0);
 	for (int i = 0; i < N_SIZE_BUCKETS; i++)
 		atomic_store(&st.sizes[i], 0);
@@ -242,6 +244,9 @@ struct lfs_file {
 	int fd;     /* FH_REAL: fd of the source file */
 	char *data; /* FH_VIRTUAL: snapshot returned by read */
 	size_t len;
+	/* FH_REAL: where the handle's last read ended (-1: none yet). A read that starts
+	 * elsewhere is a seek: what a FUSE client of an object store answers with a new GET. */
+	atomic_int_fast64_t next_off;
 };
 
 static const char *rel(const char *path)
@@ -273,10 +278,10 @@ static char *stats_json(size_t *len)
 	fprintf(f, "\"delay_ms_total\": %.6f, \"slept_ms_total\": %.6f, \"pread_ms_total\": %.6f, ",
 		atomic_load(&st.delay_ns) / 1e6, atomic_load(&st.slept_ns) / 1e6, atomic_load(&st.read_ns) / 1e6);
 	fprintf(f, "\"errors\": %llu, \"opens\": %llu, \"max_request_bytes\": %llu, \"resets\": %llu, "
-		   "\"threads_seen\": %llu, ",
+		   "\"threads_seen\": %llu, \"seeks\": %llu, ",
 		(unsigned long long)atomic_load(&st.errors), (unsigned long long)atomic_load(&st.opens),
 		(unsigned long long)atomic_load(&st.max_request), (unsigned long long)atomic_load(&st.resets),
-		(unsigned long long)atomic_load(&st.threads_seen));
+		(unsigned long long)atomic_load(&st.threads_seen), (unsigned long long)atomic_load(&st.seeks));
 	fprintf(f, "\"request_sizes\": {");
 	for (int i = 0; i < N_SIZE_BUCKETS; i++)
 		fprintf(f, "%s\"%s\": %llu", i ? ", " : "", bucket_names[i],
@@ -471,6 +476,7 @@ static int lfs_open(const char *path, struct fuse_file_info *fi)
 	}
 	h->kind = FH_REAL;
 	h->fd = fd;
+	atomic_init(&h->next_off, -1);
 	fi->keep_cache = 0; /* kernel drops this inode's cached pages at open */
 	fi->direct_io = 0;
 	fi->fh = (uint64_t)(uintptr_t)h;
@@ -500,6 +506,9 @@ static int lfs_read(const char *path, char *buf, size_t size, off_t off, struct 
 	atomic_max_i64(&st.max_in_flight, now);
 	uint64_t k = atomic_fetch_add(&st.requests, 1);
 	caller_seen((int)fuse_get_context()->pid);
+	int_fast64_t was = atomic_exchange(&h->next_off, (int_fast64_t)off + (int_fast64_t)size);
+	if (was >= 0 && was != (int_fast64_t)off)
+		atomic_fetch_add(&st.seeks, 1);
 
 	struct timespec t0;
 	clock_gettime(CLOCK_MONOTONIC, &t0);

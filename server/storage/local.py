@@ -35,6 +35,7 @@ from typing import Any
 
 from .base import FileEntry, FileVersion, Range, Store
 from . import native, readpath
+from .gate import ReadGate
 from .iopool import IOPool
 
 log = logging.getLogger("croupier.server.storage")
@@ -237,6 +238,8 @@ class LocalStore(Store):
         self._revisit = (revisit_window_s, revisit_interval_s)
         self._dev_of: dict[str, int] = {}  # pinned path -> st_dev of its mount
         self._watches: dict[int, readpath.Watch] = {}  # st_dev -> its watch, for measured mounts
+        #: st_dev -> the gate that holds a daemon-bound mount's reads in flight (readpath.read_limit)
+        self._gates: dict[int, ReadGate] = {}
         #: path -> what a path change or a remap left (O_DIRECT fds, mappings), closed at unpin:
         #: the loop may be submitting a read on one right now (changes happen on other threads)
         self._retired: dict[str, list[Any]] = {}
@@ -310,6 +313,7 @@ class LocalStore(Store):
             choice = measured
             readpath.report(choice)
             self._watch(st.st_dev, choice)
+            self._gate(st.st_dev, choice)
         self._mounts[st.st_dev] = choice
         return choice
 
@@ -317,6 +321,23 @@ class LocalStore(Store):
         """Watch a measured mount's reads (readpath.Watch)."""
         window, interval = self._revisit
         self._watches[dev] = readpath.Watch(choice.latency_s, time.monotonic(), window, interval, last_probe)
+
+    def _gate(self, dev: int, choice: readpath.Choice) -> None:
+        """Hold mount `dev`'s reads in flight to `readpath.read_limit(choice)` (none: no
+        gate; reads waiting at a gate that goes start at once)."""
+        limit = readpath.read_limit(choice)
+        gate = self._gates.get(dev)
+        if gate is None:
+            if limit is not None:
+                self._gates[dev] = ReadGate(limit)
+            return
+        if limit is None:
+            del self._gates[dev]
+        gate.set_limit_threadsafe(limit or 1 << 30)
+
+    def gates(self) -> dict[str, ReadGate]:
+        """Each gated mount's point and its gate (metrics, tests)."""
+        return {self._mounts[dev].mount.point: g for dev, g in self._gates.items() if dev in self._mounts}
 
     def _landed(self, path: str, watch: readpath.Watch, n: int) -> None:
         """Reads on a watched mount landed (on the loop): probe it again when its watch says so."""
@@ -361,6 +382,7 @@ class LocalStore(Store):
             asked, achieved = watch.last_window or (0.0, 0.0)
             rates = ", ".join(f"{p} {r:,.0f} reads/s" for p, r in new.rates.items())
             self._mounts[dev] = new
+            self._gate(dev, new)
             if new.path != old.path:
                 self._switch(dev, new)
                 self.revisits.append((old.mount.point, old.path, new.path))
@@ -490,7 +512,11 @@ class LocalStore(Store):
         return self._pread(path, offset, size)
 
     def _native_read(self, path: str, offset: int, size: int) -> "asyncio.Future[bytes]":
-        fut = self._native_read_by_path(path, offset, size)
+        gate = self._gates.get(self._dev_of.get(path, -1)) if self._gates else None
+        if gate is not None:
+            fut = gate.run(lambda: self._native_read_by_path(path, offset, size))
+        else:
+            fut = self._native_read_by_path(path, offset, size)
         watch = self._watches.get(self._dev_of.get(path, -1)) if self._watches else None
         if watch is not None:
             watch.started(1, time.monotonic())
@@ -584,9 +610,22 @@ class LocalStore(Store):
             callback(parts, err)
 
         if self.native is not None:
-            mapping, direct = self._maps.get(path), self._direct.get(path)
-            self.path_reads["mmap" if mapping is not None else "direct" if direct is not None else "pread"] += n
-            self.native.pread_ranges(self._pinned.get(path), path, ranges, counted, mapping, direct)
+            gate = self._gates.get(self._dev_of.get(path, -1)) if self._gates else None
+            if gate is None:
+                self._start_ranges(path, ranges, counted)
+                return True
+
+            def released(parts: list[bytes] | None, err: BaseException | None) -> None:
+                gate.release(n)
+                counted(parts, err)
+
+            def start() -> None:
+                try:
+                    self._start_ranges(path, ranges, released)
+                except BaseException as e:  # noqa: BLE001  # it could not start: its caller hears it
+                    released(None, e)
+
+            gate.submit(n, start)
             return True
 
         def landed(f: "asyncio.Future[list[bytes]]") -> None:
@@ -600,6 +639,13 @@ class LocalStore(Store):
         self.path_reads["pread"] += n
         self.pool.submit(self._preads, path, ranges).add_done_callback(landed)
         return True
+
+    def _start_ranges(self, path: str, ranges: Sequence[Range], callback: Callable) -> None:
+        """Reads of `ranges` of `path` on the native pool, by the file's read path."""
+        assert self.native is not None
+        mapping, direct = self._maps.get(path), self._direct.get(path)
+        self.path_reads["mmap" if mapping is not None else "direct" if direct is not None else "pread"] += len(ranges)
+        self.native.pread_ranges(self._pinned.get(path), path, ranges, callback, mapping, direct)
 
     def close(self) -> None:
         if self.native is not None:
@@ -618,6 +664,7 @@ class LocalStore(Store):
             self._retired.clear()
             self._dev_of.clear()
             self._watches.clear()
+            self._gates.clear()
             for fd in self._pinned.values():
                 os.close(fd)
             self._pinned.clear()
