@@ -243,7 +243,8 @@ def reading_notes(rep: dict[str, Any]) -> list[str]:
 
 def _best_dl(cases: list[dict[str, Any]], ds: str, cold: bool) -> dict[str, Any] | None:
     rs = [r for r in cases if r["role"] == "measure" and r["case"]["dataset"] == ds and r["condition"]["key"] == "fuse"
-          and r["case"]["system"]["kind"] == "dataloader" and bool(r["condition"].get("evict_every_s")) == cold]
+          and r["case"]["system"]["kind"] == "dataloader" and bool(r["condition"].get("evict_every_s")) == cold
+          and not r["condition"].get("max_background") == 0]
     return max(rs, key=lambda r: r["samples_per_s"]) if rs else None
 
 

@@ -189,15 +189,20 @@ def test_the_real_suite_plans_every_system_on_both_slow_storages() -> None:
     plan = suite.plan()
     names = [cond.name for cond, _ in plan]
     assert names == ["page cache (local files)", "latency FS 5 ms", "latency FS 5 ms, kernel defaults",
-                     "latency FS 5 ms, cache dropped every 0.5 s", "S3 20 ms", "rclone mount of S3 20 ms",
-                     "s3fs mount of S3 20 ms", "page cache (local files)"]
-    for cond, group in (plan[5], plan[6]):  # a bucket through the FUSE clients users mount it with
+                     "latency FS 5 ms, cache dropped every 0.5 s",
+                     "latency FS 5 ms, kernel defaults, larger than memory (pages dropped every 0.5 s, croupier's cache "
+                     "10% of the data)", "S3 20 ms", "rclone mount of S3 20 ms", "s3fs mount of S3 20 ms",
+                     "page cache (local files)"]
+    larger = plan[4][0]  # data larger than memory: the kernel's pages dropped, croupier's cache a tenth
+    assert larger.max_background == 0 and larger.evict_every_s > 0 and larger.cache_share == 0.1
+    assert {c.system.label for c in plan[4][1]} >= {C.label, "DataLoader + DistributedSampler, 8 workers"}
+    for cond, group in (plan[6], plan[7]):  # a bucket through the FUSE clients users mount it with
         assert cond.key in ("rclone", "s3fs") and cond.median_ms == 20.0
         kinds = {(c.dataset, c.system.label) for c in group}
         for ds in ("text", "imagefolder"):
             assert {(ds, C.label), (ds, "DataLoader + DistributedSampler, 8 workers")} <= kinds
     assert plan[2][0].max_background == 0  # the kernel's cap on background FUSE requests, left as it is
-    for cond, group in (plan[1], plan[2], plan[4]):
+    for cond, group in (plan[1], plan[2], plan[5]):
         kinds = {(c.dataset, c.system.label) for c in group if c.role == "measure"}
         for ds in ("text", "imagefolder"):
             assert {(ds, f"DataLoader + DistributedSampler, {w} workers") for w in (0, 2, 8)} <= kinds
@@ -256,3 +261,29 @@ def test_the_real_suite_reads_a_bucket_through_rclone_and_s3fs_mounts(tmp_path: 
                         "through the mount") in names
     md = (out / "real-mounts.md").read_text()
     assert "**rclone mount of S3 20 ms**" in md and "`rclone mount` with its defaults" in md
+
+
+def test_the_real_suites_targets_hold_each_fuse_condition_to_its_own_bar() -> None:
+    # Issue 21: 10x the best DataLoader for text on the raised mount, 3x on the kernel-default
+    # one and on data larger than memory; each condition's rows are found by its name.
+    from dataclasses import asdict
+
+    from croupier.bench import real
+
+    def row(cond, label: str, kind: str, rate: float) -> dict:
+        return {"role": "measure", "label": label, "condition": asdict(cond), "samples_per_s": rate,
+                "case": {"dataset": "text", "system": {"kind": kind}}, "storage": {"reads_per_sample": 1.0}}
+
+    conds = (real.latency_fs(5.0), real.latency_fs_kernel_defaults(5.0), real.latency_fs_larger_than_memory())
+    results = []
+    for cond, (cr, dl) in zip(conds, ((8000.0, 1000.0), (7000.0, 2000.0), (4000.0, 1000.0))):
+        results += [row(cond, real.CROUPIER.label, "croupier", cr),
+                    row(cond, "DataLoader + DistributedSampler, 8 workers", "dataloader", dl),
+                    row(cond, "DataLoader + DistributedSampler, 2 workers", "dataloader", dl / 2)]
+    got = {t["target"]: t for t in real.check_targets(results)}
+    raised = got["text, latency FS 5 ms: croupier unordered >= 10x the best DataLoader"]
+    kernel = got["text, latency FS 5 ms, kernel defaults: croupier unordered >= 3x the best DataLoader"]
+    larger = got[f"text, {conds[2].name}: croupier unordered >= 3x the best DataLoader"]
+    assert raised["measured"] == pytest.approx(0.8) and not raised["met"]
+    assert kernel["measured"] == pytest.approx(7000 / 6000) and kernel["met"]
+    assert larger["measured"] == pytest.approx(4000 / 3000) and larger["met"]
