@@ -8,6 +8,7 @@ trainer process per rank; baselines only need the trainer processes.
 from __future__ import annotations
 
 import json
+import os
 import math
 import subprocess
 import sys
@@ -148,7 +149,8 @@ class ServerProcess:
         self.ready = Path(tempfile.mkstemp(prefix="croupier-bench-ready-", suffix=".json")[1])
         self.ready.unlink()
         cmd = [sys.executable, *launcher, "serve", *datasets, "--host", "127.0.0.1", "--port", "0",
-               "--ready-file", str(self.ready), "--log-level", "WARNING", *args]
+               "--ready-file", str(self.ready), "--log-level",
+               os.environ.get("CROUPIER_BENCH_SERVER_LOG_LEVEL", "WARNING"), *args]
         self._log = open(log, "a")
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 120

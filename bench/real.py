@@ -840,7 +840,8 @@ class RealRun:
         self.tar_cache = data_dir.parent / f"{data_dir.name}-tar-index"
         with tempfile.TemporaryDirectory(prefix=f"croupier-bench-{suite.name}-", ignore_cleanup_errors=True) as work:
             self.work = Path(work)
-            # CROUPIER_BENCH_SERVER_LOG=FILE keeps the servers' logs (else they go with the run's folder)
+            # CROUPIER_BENCH_SERVER_LOG=FILE keeps the servers' logs (else they go with the run's folder);
+            # CROUPIER_BENCH_SERVER_LOG_LEVEL=INFO says more in them (default WARNING)
             kept = os.environ.get("CROUPIER_BENCH_SERVER_LOG")
             self.log = Path(kept) if kept else self.work / "server.log"
             self.log.write_text("")
