@@ -375,3 +375,29 @@ def test_a_fill_reads_each_file_as_sequential_streams_on_descriptors_of_their_ow
     # a stream's reads follow one another (the kernel may split and reorder its readahead a
     # little); 4 blocks in flight on one descriptor made a seek of nearly every request
     assert stats["seeks"] <= 4 * 2, (stats["seeks"], stats["requests"])
+
+
+@needs_fuse
+def test_a_fill_whose_trial_read_the_first_files_only_block_goes_on_to_the_next_file(tmp_path: Path, caplog) -> None:
+    # The rule's trial reads a mount's first block; when that was a small file's only block,
+    # the fill still goes on to the dataset's other files.
+    src = tmp_path / "src"
+    src.mkdir()
+    blobs = {"a-small.arrow": random.Random(1).randbytes(300_000), "b-large.arrow": random.Random(2).randbytes(3 * BLOCK_BYTES)}
+    for name, data in blobs.items():
+        (src / name).write_bytes(data)
+    with latencyfs.mounted(src, median_ms=2, distribution="fixed") as fs:
+        cache = BlockCache(CacheSizes(memory_bytes=64 << 20, fill="auto"))
+        store = CachedStore(LocalStore(io_threads=16), cache, "t")
+        try:
+            paths = [str(fs.path / name) for name in blobs]
+            for p in paths:
+                store.pin(p)
+            with caplog.at_level(logging.INFO, logger="croupier.server.cache"):
+                store._start_fill()
+                assert store.fill_done(60)
+            assert "a fill on" in caplog.text, caplog.text  # the trial, on the small file's block, paid
+            assert "stopped" not in caplog.text, caplog.text
+            assert all(store.held_in_memory(p) for p in paths)
+        finally:
+            store.close()

@@ -135,7 +135,7 @@ class DatasetFill:
             if self._stopped():
                 return
             blocks = [b for b in range(f.key.blocks()) if not self.cache.cached(f.key, b)]
-            if not blocks or not self._pays(f, blocks):
+            if not blocks or not self._pays(f, blocks) or not blocks:  # (the trial may have read the only one)
                 continue
             n = max(1, min(parts, len(blocks) // MIN_STREAM_BLOCKS))
             step = math.ceil(len(blocks) / n)
@@ -181,9 +181,16 @@ class DatasetFill:
             fd = self.source.open_fd(f.path)
             if hasattr(os, "posix_fadvise"):
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
-            queue = collections.deque(blocks)
-            pending[self.cache.io.submit(self._read_one, fd, f, queue.popleft())] = (f, fd, queue)
+            submit(f, fd, collections.deque(blocks))
             return True
+
+        def submit(f: FillFile, fd: int, queue: collections.deque[int]) -> None:
+            """The stream's next block on the cache's threads (its descriptor closed if it cannot go)."""
+            try:
+                pending[self.cache.io.submit(self._read_one, fd, f, queue.popleft())] = (f, fd, queue)
+            except BaseException:
+                os.close(fd)
+                raise
 
         try:
             while len(pending) < FILL_IN_FLIGHT and start():
@@ -198,7 +205,7 @@ class DatasetFill:
                         os.close(fd)
                         raise
                     if queue and not self._stopped():
-                        pending[self.cache.io.submit(self._read_one, fd, f, queue.popleft())] = (f, fd, queue)
+                        submit(f, fd, queue)
                         continue
                     os.close(fd)
                     if not self._stopped():
