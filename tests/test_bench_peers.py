@@ -217,6 +217,31 @@ def test_croupier_mosaic_and_litdata_run_side_by_side_on_the_latency_fs(tmp_path
     assert "Mosaic Streaming" in md and "LitData" in md and "mid-epoch resume" in md
 
 
+def test_croupier_mosaic_and_litdata_read_a_bucket_through_an_rclone_mount(tmp_path: Path) -> None:
+    # Issue 21: the peers matrix gains the bucket mounts; every system reads the mount's paths
+    # (mounted afresh before each run), and the S3 server counts what the mount asked of it.
+    from croupier.bench import bucket_mount
+
+    reason = _unavailable() or bucket_mount.rclone_unusable()
+    if reason:
+        pytest.skip(f"peer venvs, latencyfs or rclone not available ({reason})")
+    from croupier.bench.datagen import DataSpec
+    from croupier.bench.peers.suite import CACHE_CONDITIONS, PeersSuite, run_peers
+
+    (cond,) = CACHE_CONDITIONS["rclone"]
+    suite = PeersSuite(name="peers-test-rclone", data=DataSpec(text_rows=1_280, images=64, shard_size=64),
+                       systems=("croupier", "mosaic", "litdata"), conditions=(cond,), datasets=("text",),
+                       epochs=1, workers=1, shards=20, variants=("default",), timeout_s=180)
+    rep = run_peers(suite, tmp_path / "out", tmp_path / "data", "pytest", say=lambda s: None)
+    assert rep["errors"] == [] and rep["skipped"] == []
+    by = {c["system"]: c for c in rep["cases"]}
+    assert set(by) == set(suite.systems)
+    for system, case in by.items():
+        assert case["condition"]["key"] == "rclone", system
+        assert case["epochs"][0]["complete"] and case["coverage"][0]["distinct"] >= 1_280 - suite.world, system
+    assert by["croupier"]["coverage"][0]["missed"] == 0
+
+
 def test_the_goal_compares_croupier_with_the_uniform_peers_any_peer_and_the_small_cache() -> None:
     from croupier.bench.peers import report
 

@@ -18,7 +18,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cache", nargs="?", const="both", choices=sorted(CACHE_CONDITIONS),
                    help="the cache-tier run (issue 25): croupier, Mosaic, LitData, default and a 10%% cache, on the "
                         "FUSE mount with the kernel's defaults and the raised one (both, the default: "
-                        "peers-cache.md), only one of them (kernel, raised), or S3 (s3)")
+                        "peers-cache.md), only one of them (kernel, raised), S3 (s3), or the S3 bucket through "
+                        "rclone mount and s3fs with their defaults (rclone, s3fs, mounts: both)")
     p.add_argument("--out", default="bench/results")
     p.add_argument("--data-dir", help="where the generated data lives (default ~/.cache/croupier/bench-data/...)")
     p.add_argument("--only", default="", help="run only the cases whose 'dataset | storage | system | variant' "

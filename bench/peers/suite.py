@@ -46,7 +46,8 @@ import numpy as np
 from .. import latencyfs
 from ..datagen import BenchData, DataSpec, ensure_data, text_table
 from ..driver import Report, attempt, drive
-from ..real import Condition, latency_fs, latency_fs_kernel_defaults, open_storage, s3
+from .. import bucket_mount as bucket_mounts
+from ..real import BUCKET_MOUNTS, Condition, bucket_mount, latency_fs, latency_fs_kernel_defaults, open_storage, s3
 from ..reporting import revision
 from . import quality, venvs
 from .case import RUNNERS, Watcher, first_batch_s, free_port, per_epoch, run_group, run_ranks
@@ -159,7 +160,9 @@ def quick() -> PeersSuite:
 #: The cache-tier runs (issue 25's targets): on the kernel-default FUSE mount and the raised one (both),
 #: one of them, or the loopback S3 server (s3://, 20 ms).
 CACHE_CONDITIONS = {"kernel": (latency_fs_kernel_defaults(5.0),), "raised": (latency_fs(5.0),),
-                    "both": (latency_fs_kernel_defaults(5.0), latency_fs(5.0)), "s3": (s3(20.0),)}
+                    "both": (latency_fs_kernel_defaults(5.0), latency_fs(5.0)), "s3": (s3(20.0),),
+                    "rclone": (bucket_mount("rclone"),), "s3fs": (bucket_mount("s3fs"),),
+                    "mounts": (bucket_mount("rclone"), bucket_mount("s3fs"))}
 
 
 def cache_targets(conditions: str = "both") -> PeersSuite:
@@ -263,17 +266,32 @@ def _remote(st: Any, system: str, ds: str) -> str:
         from ..real import BUCKET
 
         return f"s3://{BUCKET}/{sub}"
+    if st.condition.key in BUCKET_MOUNTS:  # the bucket's mount point (the data folder is the bucket)
+        return str(Path(st.croupier_path(".")) / sub)
     return str(Path(st.fs.path) / sub)
 
 
 def _evict(st: Any, system: str, ds: str) -> None:
-    """Cold storage before every run: the latency FS drops the files' cached pages."""
-    if st.condition.key != "fuse":
+    """Cold storage before every run: the latency FS drops the files' cached pages; a bucket
+    mount is mounted afresh (no data kept by the client or the kernel)."""
+    if st.condition.key in BUCKET_MOUNTS:
+        st.before_case(ds)
+    elif st.condition.key != "fuse":
         return
-    if system in OWN_FILES:
+    elif system in OWN_FILES:
         st.before_case("text" if ds == "text" else "imagefolder")
     else:
         st.fs.evict([Path(st.fs.path) / "peers" / f"{system}-{ds}"])
+
+
+def _unusable(cond: Condition) -> str:
+    """Why a condition's storage cannot run here ("" when it can)."""
+    if cond.key == "fuse":
+        reason = latencyfs.check_available()
+        return f"latencyfs is unusable here: {reason}" if reason else ""
+    if cond.key in BUCKET_MOUNTS:
+        return bucket_mounts.CLIENTS[cond.key][1]() or ""
+    return ""
 
 
 def _shuffle_of(variant: str) -> str:
@@ -298,6 +316,8 @@ def run_system(ctx: Ctx, st: Any, system: str, ds: str, variant: str, n: int, ex
     epochs = 1 if variant == "resume" else s.epochs
     rows = s.rows(ds)
     batches_per_rank = -(-rows // (s.batch * s.world))
+    shm_before = _shm()
+    _evict(st, system, ds)  # first: a bucket mount's point is new once mounted afresh
     job = Job(system=system, dataset=ds, remote=_remote(st, system, ds), local=str(local), world=s.world,
               batch=s.batch, epochs=epochs, workers=s.workers, shuffle=_shuffle_of(variant),
               cache_limit=int(total_bytes * s.cache_fraction) if variant == "cache10" else 0,
@@ -313,8 +333,6 @@ def run_system(ctx: Ctx, st: Any, system: str, ds: str, variant: str, n: int, ex
     server = None
     watch = Watcher([str(local)])
     t_case = time.perf_counter()
-    shm_before = _shm()
-    _evict(st, system, ds)
     st.reset()
     try:
         if system == "croupier":
@@ -578,9 +596,9 @@ def _run_condition(ctx: Ctx, rep: Report, cond: Condition, todo: list[tuple[Cond
 
     if not todo:
         return
-    reason = latencyfs.check_available() if cond.key == "fuse" else ""
+    reason = _unusable(cond)
     if reason:
-        rep["skipped"].append(f"{cond.name}: latencyfs is unusable here: {reason}")
+        rep["skipped"].append(f"{cond.name}: {reason}")
         ctx.say(f"skipping {cond.name}: {reason}")
         return
     with open_storage(cond, ctx.data) as st:
