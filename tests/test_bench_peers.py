@@ -504,6 +504,23 @@ def test_a_peer_that_needs_a_newer_python_is_recorded_and_no_venv_is_made(tmp_pa
     assert venvs._python_too_old(venvs.PeerEnv("old-enough", ("x",), requires_python=(3, 0))) == ""
 
 
+def test_a_peer_that_needs_a_newer_python_gets_one_found_on_the_machine(monkeypatch: pytest.MonkeyPatch) -> None:
+    # dataloader-rs needs Python >= 3.13: its venv is made with a newer Python the machine has
+    # ($CROUPIER_PEER_PYTHON, pythonX.Y on the PATH, pyenv's), each checked by running it.
+    import sys
+
+    from croupier.bench.peers import venvs
+
+    mine = sys.version_info[:2]
+    monkeypatch.setenv(venvs.NEWER_PYTHON_ENV, sys.executable)
+    assert venvs.newer_python(mine) == sys.executable
+    monkeypatch.setenv("PATH", "/nonexistent")
+    monkeypatch.setattr(venvs.Path, "home", staticmethod(lambda: Path("/nonexistent")))
+    assert venvs.newer_python((mine[0], mine[1] + 1)) is None  # ours is too old, and nothing else is found
+    assert venvs.base_python(venvs.PeerEnv("old-enough", ("x",))) == sys.executable
+    assert not venvs.PEERS["dataloader-rs"].needs_torch  # torch's 3.13 wheels on the index are CUDA builds
+
+
 def test_the_shared_memory_a_killed_peer_leaves_is_removed_but_not_what_a_live_process_maps(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Grain's spawned workers, SIGKILLed with the rank in the resume case, leave their psm_ segments and
@@ -570,3 +587,36 @@ def test_lance_and_grain_run_beside_each_other_on_the_latency_fs_and_lance_on_s3
     assert rep["written"]["lance text"]["shards"] == 10 and rep["written"]["grain image"]["shards"] == 10
     md = (tmp_path / "out" / "peers-lance-grain-test.md").read_text()
     assert "Grain + ArrayRecord" in md and "its torch loader" in md and "| Lance |" in md
+
+
+def test_dataloader_rs_reads_every_row_once_an_epoch_through_the_latency_fs_and_images_from_s3(tmp_path: Path) -> None:
+    from croupier.bench import latencyfs
+    from croupier.bench.peers import venvs
+
+    reasons = [f"dataloader-rs: {r}" for r in [venvs.status("dataloader-rs")] if r]
+    if latencyfs.check_available():
+        reasons.append(f"latencyfs: {latencyfs.check_available()}")
+    if reasons:
+        pytest.skip(f"peer venv or latencyfs not available ({'; '.join(reasons)}); `python -m croupier.bench.peers "
+                    "--systems dataloader-rs --text-rows 640 --images 64 --out /tmp/peers-new` makes the venv "
+                    "(with a Python >= 3.13 on the machine)")
+    from croupier.bench.datagen import DataSpec
+    from croupier.bench.peers.suite import PeersSuite, not_run, run_peers
+    from croupier.bench.real import latency_fs, s3
+
+    suite = PeersSuite(name="peers-dataloader-rs-test", data=DataSpec(text_rows=640, images=64, shard_size=64),
+                       systems=("dataloader-rs",), conditions=(latency_fs(2.0), s3(5.0)), datasets=("text", "image"),
+                       epochs=2, workers=1, shards=10, variants=("default",), timeout_s=120)
+    rep = run_peers(suite, tmp_path / "out", tmp_path / "data", "pytest", say=lambda s: None)
+    assert rep["errors"] == []
+    by = {(c["dataset"], c["condition"]["key"]): c for c in rep["cases"]}
+    assert set(by) == {("text", "fuse"), ("image", "fuse"), ("image", "s3")}
+    assert rep["skipped"] == [f"text | S3 5 ms | dataloader-rs | default: {not_run('dataloader-rs', 's3', 'text')}"]
+    for (ds, key), c in by.items():
+        rows = 640 if ds == "text" else 64
+        assert [e["complete"] for e in c["epochs"]] == [True, True], (ds, key)
+        for cov in c["coverage"]:  # every row once per epoch, all ranks together
+            assert cov == {"delivered": rows, "distinct": rows, "missed": 0, "repeats": 0}, (ds, key)
+    assert by[("text", "fuse")]["quality"]["mean_displacement"] > 0.2  # a global shuffle, not storage order
+    assert rep["versions"]["dataloader-rs"]["dataloader-rs"] == "0.2.0"
+    assert rep["versions"]["dataloader-rs"]["python"].startswith("3.13")

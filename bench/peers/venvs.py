@@ -1,7 +1,8 @@
 """One virtual environment per peer loader, under ~/.cache/croupier/peer-venvs/<peer>.
 
 Pins conflict between the peers (mosaicml-streaming and datasets 5.x cannot share one), so
-each gets its own, made with the machine's python and filled from the package index pip is
+each gets its own, made with the machine's python (or, for a peer whose releases need a newer
+one, a newer Python found on the machine: `newer_python`) and filled from the package index pip is
 configured with. A peer that needs torch gets `torch==2.13.0` installed first, then the peer
 with the same pin on the command line: an unpinned torch would pull the CUDA builds, and a
 peer whose requirements refuse 2.13.0 fails to install, which is recorded, not worked around.
@@ -75,9 +76,12 @@ PEERS: dict[str, PeerEnv] = {
     "lance": PeerEnv("lance", ("pylance==14.0.2", "pillow"),
                      key_packages=("pylance", "torch", "numpy", "pyarrow", "pillow")),
     # dataloader-rs: every release on the package index says Requires-Python >=3.13 (its wheels are for
-    # 3.13 to 3.15): on a machine whose Python is older it is recorded as not installable.
+    # 3.13 to 3.15): its venv is made with a Python 3.13 found on the machine (`newer_python`), and where
+    # there is none it is recorded as not installable. No torch: the index's only torch 2.13.0 wheels for
+    # 3.13 are CUDA builds (several GB of nvidia packages); its runner needs none (NumPy samples).
     "dataloader-rs": PeerEnv("dataloader-rs", ("dataloader-rs==0.2.0", "numpy", "pillow", "pyarrow", "boto3"),
-                             key_packages=("dataloader-rs", "torch", "numpy", "pyarrow", "boto3", "pillow"),
+                             needs_torch=False,
+                             key_packages=("dataloader-rs", "numpy", "pyarrow", "boto3", "pillow"),
                              requires_python=(3, 13)),
     # Grain with ArrayRecord: the JAX world's loader; no torch, and no JAX needed to read (numpy batches).
     "grain": PeerEnv("grain", ("grain==0.2.18", "array-record==0.8.6", "pillow"), needs_torch=False,
@@ -105,14 +109,14 @@ def ensure(env: PeerEnv, say=print, timeout: float = 1800) -> Path:
     stamp_file = env.path / "croupier-peer.json"
     if env.python.exists() and stamp_file.is_file() and stamp_file.read_text() == env.stamp():
         return env.python
-    too_old = _python_too_old(env)
-    if too_old:
-        raise VenvError(too_old)
+    base = base_python(env)
+    if base is None:
+        raise VenvError(_python_too_old(env))
     t0 = time.perf_counter()
-    say(f"creating the {env.name} venv at {env.path} (pip, a few minutes the first time)")
+    say(f"creating the {env.name} venv at {env.path} with {base} (pip, a few minutes the first time)")
     env.path.parent.mkdir(parents=True, exist_ok=True)
     if not env.python.exists():
-        subprocess.run([sys.executable, "-m", "venv", str(env.path)], check=True, timeout=300)
+        subprocess.run([base, "-m", "venv", str(env.path)], check=True, timeout=300)
     log = env.path / "install.log"
     if env.needs_torch:
         _pip(env, TORCH, log=log, timeout=timeout)
@@ -124,14 +128,52 @@ def ensure(env: PeerEnv, say=print, timeout: float = 1800) -> Path:
     return env.python
 
 
-def _python_too_old(env: PeerEnv) -> str:
-    """Why the peer cannot be installed with this machine's python ("" when it can): pip would only say
-    that no version matches."""
+#: A Python for peers that need a newer one than ours (its path; else one is looked for).
+NEWER_PYTHON_ENV = "CROUPIER_PEER_PYTHON"
+
+
+def _version_of(python: str) -> tuple[int, int] | None:
+    try:
+        out = subprocess.run([python, "-c", "import sys; print(*sys.version_info[:2])"], capture_output=True,
+                             text=True, timeout=60).stdout.split()
+        return (int(out[0]), int(out[1])) if len(out) == 2 else None
+    except (OSError, ValueError, subprocess.TimeoutExpired):
+        return None
+
+
+def newer_python(want: tuple[int, int]) -> str | None:
+    """A Python of at least `want` on this machine: $CROUPIER_PEER_PYTHON, else `pythonX.Y` on the
+    PATH, else pyenv's (~/.pyenv/versions/X.Y*); None when there is none."""
+    import glob
+    import shutil
+
+    name = f"python{want[0]}.{want[1]}"
+    candidates = [os.environ.get(NEWER_PYTHON_ENV, ""), shutil.which(name) or ""]
+    candidates += sorted(glob.glob(str(Path.home() / ".pyenv" / "versions" / f"{want[0]}.{want[1]}*" / "bin" / name)),
+                         reverse=True)
+    for python in filter(None, candidates):
+        version = _version_of(python)
+        if version is not None and version >= want:
+            return python
+    return None
+
+
+def base_python(env: PeerEnv) -> str | None:
+    """The Python the peer's venv is made with: ours, or a newer one its Requires-Python needs."""
     if sys.version_info[:2] >= env.requires_python:
+        return sys.executable
+    return newer_python(env.requires_python)
+
+
+def _python_too_old(env: PeerEnv) -> str:
+    """Why the peer cannot be installed here ("" when it can): pip would only say that no version
+    matches."""
+    if base_python(env) is not None:
         return ""
     want = ".".join(map(str, env.requires_python))
     return (f"{', '.join(env.requirements[:1])} requires Python >= {want} (its Requires-Python); "
-            f"this machine's python is {platform.python_version()} ({sys.executable})")
+            f"this machine's python is {platform.python_version()} ({sys.executable}), and no Python {want} "
+            f"was found (python{want} on the PATH, pyenv's, or ${NEWER_PYTHON_ENV})")
 
 
 def versions(env: PeerEnv) -> dict[str, str]:

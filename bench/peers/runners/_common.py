@@ -191,16 +191,21 @@ def source_rows(dataset: str, source: str):
                     yield pending.pop(key)
 
 
-def decode_jpeg(data: bytes):
-    """uint8 CHW tensor, as croupier's client decodes (decode_images="tensor")."""
+def decode_jpeg(data: bytes, numpy: bool = False):
+    """uint8 CHW tensor, as croupier's client decodes (decode_images="tensor"); a NumPy array
+    of the same with `numpy` (a venv without torch)."""
     import io
 
     import numpy as np
-    import torch
     from PIL import Image
 
     with Image.open(io.BytesIO(data)) as img:
-        return torch.from_numpy(np.asarray(img.convert("RGB")).copy()).permute(2, 0, 1)
+        hwc = np.asarray(img.convert("RGB")).copy()
+    if numpy:
+        return hwc.transpose(2, 0, 1)
+    import torch
+
+    return torch.from_numpy(hwc).permute(2, 0, 1)
 
 
 def torchvision_or_placeholder() -> str:

@@ -15,10 +15,12 @@ from _common import Job, decode_jpeg
 
 
 class Rows:
-    """id -> sample over the benchmark's files; made lazily per process."""
+    """id -> sample over the benchmark's files; made lazily per process. `numpy`: images and
+    tokens as NumPy arrays (a venv without torch), else torch tensors."""
 
-    def __init__(self, job: Job, connections: int = 32):
+    def __init__(self, job: Job, connections: int = 32, numpy: bool = False):
         self.job = job
+        self.numpy = numpy
         self.image = job.dataset == "image"
         if self.image:
             if job.endpoint:
@@ -45,8 +47,6 @@ class Rows:
         return len(self.ids)
 
     def get(self, i: int) -> dict:
-        import torch
-
         if self.image:
             key = self.files[self.ids[i]]
             label = int(os.path.basename(os.path.dirname(key))[len("class"):])
@@ -55,10 +55,17 @@ class Rows:
             else:
                 with open(key, "rb") as f:
                     data = f.read()
-            return {"id": self.ids[i], "label": label, "image": decode_jpeg(data)}
+            return {"id": self.ids[i], "label": label, "image": decode_jpeg(data, numpy=self.numpy)}
         row = self.table.slice(i, 1).to_pylist()[0]
-        return {"id": row["id"], "label": row["label"], "text": row["text"],
-                "tokens": torch.tensor(row["tokens"], dtype=torch.int32)}
+        if self.numpy:
+            import numpy as np
+
+            tokens = np.asarray(row["tokens"], dtype=np.int32)
+        else:
+            import torch
+
+            tokens = torch.tensor(row["tokens"], dtype=torch.int32)
+        return {"id": row["id"], "label": row["label"], "text": row["text"], "tokens": tokens}
 
 
 def _client(endpoint: str, connections: int):
