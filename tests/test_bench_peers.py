@@ -545,17 +545,21 @@ def test_the_shared_memory_a_killed_peer_leaves_is_removed_but_not_what_a_live_p
     assert len(real_listdir(shm)) == 3
 
 
-def test_lance_and_grain_run_beside_each_other_on_the_latency_fs_and_lance_on_s3(tmp_path: Path) -> None:
+def _skip_without(peers: tuple[str, ...], how: str) -> None:
+    """Skip unless the peers' venvs and latencyfs are here, saying the command that makes them."""
     from croupier.bench import latencyfs
     from croupier.bench.peers import venvs
 
-    reasons = [f"{p}: {r}" for p in ("lance", "grain") if (r := venvs.status(p))]
+    reasons = [f"{p}: {r}" for p in peers if (r := venvs.status(p))]
     if latencyfs.check_available():
         reasons.append(f"latencyfs: {latencyfs.check_available()}")
     if reasons:
-        pytest.skip(f"peer venvs or latencyfs not available ({'; '.join(reasons)}); "
-                    "`python -m croupier.bench.peers --systems lance,grain --text-rows 640 --images 64 --out /tmp/peers-new` "
-                    "makes the venvs")
+        pytest.skip(f"peer venvs or latencyfs not available ({'; '.join(reasons)}); `python -m croupier.bench.peers "
+                    f"--systems {','.join(peers)} --text-rows 640 --images 64 --out /tmp/peers-new` {how}")
+
+
+def test_lance_and_grain_run_beside_each_other_on_the_latency_fs_and_lance_on_s3(tmp_path: Path) -> None:
+    _skip_without(("lance", "grain"), "makes the venvs")
     from croupier.bench.datagen import DataSpec
     from croupier.bench.peers.suite import PeersSuite, not_run, run_peers
     from croupier.bench.real import latency_fs, s3
@@ -590,16 +594,7 @@ def test_lance_and_grain_run_beside_each_other_on_the_latency_fs_and_lance_on_s3
 
 
 def test_dataloader_rs_reads_every_row_once_an_epoch_through_the_latency_fs_and_images_from_s3(tmp_path: Path) -> None:
-    from croupier.bench import latencyfs
-    from croupier.bench.peers import venvs
-
-    reasons = [f"dataloader-rs: {r}" for r in [venvs.status("dataloader-rs")] if r]
-    if latencyfs.check_available():
-        reasons.append(f"latencyfs: {latencyfs.check_available()}")
-    if reasons:
-        pytest.skip(f"peer venv or latencyfs not available ({'; '.join(reasons)}); `python -m croupier.bench.peers "
-                    "--systems dataloader-rs --text-rows 640 --images 64 --out /tmp/peers-new` makes the venv "
-                    "(with a Python >= 3.13 on the machine)")
+    _skip_without(("dataloader-rs",), "makes the venv (with a Python >= 3.13 on the machine)")
     from croupier.bench.datagen import DataSpec
     from croupier.bench.peers.suite import PeersSuite, not_run, run_peers
     from croupier.bench.real import latency_fs, s3

@@ -338,6 +338,15 @@ def test_the_fill_rule_weighs_a_blocks_read_against_the_small_reads_it_replaces(
     assert pays(0.004, 0.005, block_len=32 << 10) and not pays(0.006, 0.005, block_len=32 << 10)  # a short block: one read
 
 
+def _pinned(fs, blobs: dict[str, bytes], fill: str) -> tuple[CachedStore, list[str]]:
+    """A cached store (64 MiB of memory, `fill`) over the mount with every file of `blobs` pinned."""
+    store = CachedStore(LocalStore(io_threads=16), BlockCache(CacheSizes(memory_bytes=64 << 20, fill=fill)), "t")
+    paths = [str(fs.path / name) for name in blobs]
+    for p in paths:
+        store.pin(p)
+    return store, paths
+
+
 @needs_fuse
 def test_a_fill_reads_each_file_as_sequential_streams_on_descriptors_of_their_own(tmp_path: Path) -> None:
     # A FUSE client of an object store (rclone mount) serves an open file's reads one at a
@@ -352,12 +361,8 @@ def test_a_fill_reads_each_file_as_sequential_streams_on_descriptors_of_their_ow
         (src / name).write_bytes(data)
     with latencyfs.mounted(src, median_ms=0, distribution="fixed", max_threads=1,
                            max_background=latencyfs.KERNEL_DEFAULT) as fs:
-        cache = BlockCache(CacheSizes(memory_bytes=64 << 20, fill="always"))
-        store = CachedStore(LocalStore(io_threads=16), cache, "t")
+        store, paths = _pinned(fs, blobs, "always")
         try:
-            paths = [str(fs.path / name) for name in blobs]
-            for p in paths:
-                store.pin(p)
             fs.reset_stats()
             opens_before = fs.stats()["opens"]
             store._start_fill()
@@ -387,12 +392,8 @@ def test_a_fill_whose_trial_read_the_first_files_only_block_goes_on_to_the_next_
     for name, data in blobs.items():
         (src / name).write_bytes(data)
     with latencyfs.mounted(src, median_ms=2, distribution="fixed") as fs:
-        cache = BlockCache(CacheSizes(memory_bytes=64 << 20, fill="auto"))
-        store = CachedStore(LocalStore(io_threads=16), cache, "t")
+        store, paths = _pinned(fs, blobs, "auto")
         try:
-            paths = [str(fs.path / name) for name in blobs]
-            for p in paths:
-                store.pin(p)
             with caplog.at_level(logging.INFO, logger="croupier.server.cache"):
                 store._start_fill()
                 assert store.fill_done(60)

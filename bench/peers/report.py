@@ -12,7 +12,8 @@ NO_RESUME = {"tfdata": "none: a tf.data service iterator cannot be checkpointed"
              "lance": "none: Lance has no loader state (a take loop keeps its own position)",
              "dataloader-rs": "none: PyDataloader has no state_dict"}
 #: The suites run at the issues' sizes (any other name is a smoke run on other data).
-ISSUE_RUNS = ("peers", "peers-cache", "peers-cache-kernel", "peers-cache-raised", "peers-cache-s3")
+ISSUE_RUNS = ("peers", "peers-cache", "peers-cache-kernel", "peers-cache-raised", "peers-cache-s3", "peers-cache-rclone",
+              "peers-cache-s3fs", "peers-cache-mounts")
 VARIANT_NAMES = {"default": "default", "strongest": "strongest shuffle", "cache10": "cache = 10% of data",
                  "loader": "its torch loader"}
 
