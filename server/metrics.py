@@ -117,6 +117,11 @@ class StorageStats:
                                     "Reads a mount completed at once in the probe (Little's law: rate x latency)",
                                     labels=["mount", "path"])
         reads = CounterMetricFamily("croupier_storage_path_reads", "Reads issued by each read path", labels=["path"])
+        limit = GaugeMetricFamily("croupier_storage_read_limit",
+                                  "Reads a daemon-bound mount may have in flight at once (storage/gate.py)",
+                                  labels=["mount"])
+        waiting = GaugeMetricFamily("croupier_storage_reads_waiting",
+                                    "Reads waiting in croupier for a daemon-bound mount's gate now", labels=["mount"])
         for store in self.stores:
             for choice in getattr(store, "read_paths", lambda: [])():
                 path.add_metric([choice.mount.point, choice.mount.fs_type, choice.path], 1)
@@ -124,7 +129,10 @@ class StorageStats:
                     ceiling.add_metric([choice.mount.point, name], value)
             for name, count in getattr(store, "path_reads", {}).items():
                 reads.add_metric([name], count)
-        yield from (path, ceiling, reads)
+            for point, gate in getattr(store, "gates", dict)().items():
+                limit.add_metric([point], gate.limit)
+                waiting.add_metric([point], gate.waiting)
+        yield from (path, ceiling, reads, limit, waiting)
 
 
 class CacheCollector:

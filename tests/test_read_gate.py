@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from croupier.bench import latencyfs
+from croupier.server.metrics import StorageStats
 from croupier.server.storage import native, readpath
 from croupier.server.storage.gate import ReadGate
 from croupier.server.storage.local import LocalStore
@@ -115,6 +116,12 @@ def test_a_daemon_that_serves_one_read_at_a_time_gets_a_gate_its_reads_wait_at(t
             # 48 asked at once: the storage saw at most the limit, the rest waited here
             assert gate.peak == gate.limit and gate.queued == 48 - gate.limit and gate.in_flight == 0
             assert store.path_reads[choice.path] == 48
+            stats = StorageStats()
+            stats.add(store)
+            metrics = {(m.name, tuple(s.labels.values())): s.value for m in stats.collect() for s in m.samples}
+            point = choice.mount.point
+            assert metrics[("croupier_storage_read_limit", (point,))] == gate.limit
+            assert metrics[("croupier_storage_reads_waiting", (point,))] == 0
             # measured again uncapped (its daemon given more threads, say): the gate goes
             store._gate(os.stat(path).st_dev,
                         readpath.Choice(choice.mount, "pread", "measured", ceilings={"pread": 60.0}))

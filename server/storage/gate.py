@@ -23,7 +23,7 @@ from typing import Any
 class ReadGate:
     """At most `limit` reads in flight; each `submit` or `run` is `count` reads."""
 
-    __slots__ = ("limit", "in_flight", "peak", "queued", "loop", "_waiting")
+    __slots__ = ("limit", "in_flight", "peak", "queued", "waiting", "loop", "_waiting")
 
     def __init__(self, limit: int):
         if limit < 1:
@@ -32,13 +32,9 @@ class ReadGate:
         self.in_flight = 0
         self.peak = 0  # the most reads in flight at once through the gate
         self.queued = 0  # reads that waited at the gate, in all
+        self.waiting = 0  # reads waiting at the gate now (a plain count: metrics read it from their thread)
         self.loop: asyncio.AbstractEventLoop | None = None  # the loop it runs on, from its first read
         self._waiting: collections.deque[tuple[int, Callable[[], None]]] = collections.deque()
-
-    @property
-    def waiting(self) -> int:
-        """Reads waiting at the gate now."""
-        return sum(n for n, _ in self._waiting)
 
     def submit(self, count: int, start: Callable[[], None]) -> None:
         """Call `start()` (which issues `count` reads and calls `release(count)` once they
@@ -50,6 +46,7 @@ class ReadGate:
             self._start(count, start)
         else:
             self.queued += count
+            self.waiting += count
             self._waiting.append((count, start))
 
     def run(self, start: Callable[[], "asyncio.Future[Any]"]) -> "asyncio.Future[Any]":
@@ -74,6 +71,7 @@ class ReadGate:
             inner.add_done_callback(lambda f: _copy(f, outer))
 
         self.queued += 1
+        self.waiting += 1
         self._waiting.append((1, begin))
         return outer
 
@@ -82,6 +80,7 @@ class ReadGate:
         self.in_flight -= count
         while self._waiting and self._room(self._waiting[0][0]):
             n, start = self._waiting.popleft()
+            self.waiting -= n
             self._start(n, start)
 
     def set_limit(self, limit: int) -> None:

@@ -337,7 +337,7 @@ class LocalStore(Store):
 
     def gates(self) -> dict[str, ReadGate]:
         """Each gated mount's point and its gate (metrics, tests)."""
-        return {self._mounts[dev].mount.point: g for dev, g in self._gates.items() if dev in self._mounts}
+        return {self._mounts[dev].mount.point: g for dev, g in list(self._gates.items()) if dev in self._mounts}
 
     def _landed(self, path: str, watch: readpath.Watch, n: int) -> None:
         """Reads on a watched mount landed (on the loop): probe it again when its watch says so."""
