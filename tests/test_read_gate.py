@@ -147,3 +147,38 @@ def test_a_mount_whose_cap_is_the_kernels_has_no_gate(table: tuple[Path, bytes])
             store.unpin(path)
         finally:
             store.close()
+
+
+@needs_native
+def test_a_mount_whose_daemon_serves_files_apart_in_parallel_has_its_preads_spread_over_descriptors(
+    table: tuple[Path, bytes],
+) -> None:
+    # rclone mount serves an open file's reads one at a time but separate opens of it in
+    # parallel: the probe times reads over HANDLES descriptors against one, and the store
+    # spreads its preads over them; the bucket sees more than one GET at once.
+    from croupier.bench import bucket_mount, s3server
+
+    if bucket_mount.rclone_unusable() is not None:
+        pytest.skip(f"no rclone mount here: {bucket_mount.rclone_unusable()}")
+    _, data = table
+    offsets = [i * 61_441 % (len(data) - 1024) for i in range(48)]
+    with s3server.running(None, latency=s3server.Latency.fixed(20), process=True) as s3:
+        s3.create_bucket("gated")
+        s3.put("gated", "data.arrow", data)
+        with bucket_mount.rclone_mounted(s3.endpoint, "gated") as mnt:
+            store = LocalStore(io_threads=64)
+            try:
+                path = str(mnt / "data.arrow")
+                store.pin(path)
+                (choice,) = store.read_paths()
+                assert readpath.daemon_bound(choice) and choice.path == "pread", choice
+                assert choice.handles == readpath.HANDLES, choice.rates
+                (gate,) = store.gates().values()
+                assert gate.limit == readpath.read_limit(choice) > readpath.READ_LIMIT_MIN
+                s3.reset_stats()
+                assert asyncio.run(_read_many(store, path, offsets)) == [data[o:o + 1024] for o in offsets]
+                assert s3.stats()["max_in_flight"] > 1  # GETs at once: one descriptor gave one at a time
+                store.unpin(path)
+                assert store._extra_fds == {} and store._spread == {}
+            finally:
+                store.close()

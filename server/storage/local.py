@@ -24,13 +24,14 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import itertools
 import logging
 import math
 import os
 import stat
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from .base import FileEntry, FileVersion, Range, Store
@@ -231,6 +232,9 @@ class LocalStore(Store):
         self._pins: dict[str, int] = {}  # path -> datasets that pinned it
         self._pin_lock = threading.Lock()
         self._maps: dict[str, object] = {}  # path -> native.Mapping, for mounts read by page faults
+        #: path -> its descriptors in turn, for mounts whose preads are spread over several (readpath.time_handles)
+        self._spread: dict[str, Iterator[int]] = {}
+        self._extra_fds: dict[str, list[int]] = {}  # path -> the descriptors opened for spreading, closed at unpin
         self._direct: dict[str, native.DirectFile] = {}  # path -> its O_DIRECT fd, for mounts read so
         self._mounts: dict[int, readpath.Choice] = {}  # st_dev -> its read path
         #: Reads issued by each path (counted on the event loop's thread).
@@ -272,12 +276,31 @@ class LocalStore(Store):
                     self._maps[path] = native.Mapping(fd)
                 elif choice.path == "direct":
                     self._open_direct(choice, path)
+                elif choice.handles > 1:
+                    self._spread_over(path, fd, choice.handles)
             except BaseException:
                 os.close(fd)
+                self._close_extra(path)
                 raise
             self._pinned[path] = fd
             self._pins[path] = 1
             self._dev_of[path] = os.fstat(fd).st_dev
+
+    def _spread_over(self, path: str, fd: int, handles: int) -> None:
+        """Open `path` `handles - 1` more times (each its own handle in the FUSE daemon) and
+        take its preads' descriptors in turn."""
+        extra = self._extra_fds.setdefault(path, [])
+        for _ in range(handles - 1):
+            more = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+            extra.append(more)
+            if hasattr(os, "posix_fadvise"):
+                os.posix_fadvise(more, 0, 0, os.POSIX_FADV_RANDOM)
+        self._spread[path] = itertools.cycle([fd, *extra])
+
+    def _close_extra(self, path: str) -> None:
+        self._spread.pop(path, None)
+        for fd in self._extra_fds.pop(path, []):
+            os.close(fd)
 
     def _open_direct(self, choice: readpath.Choice, path: str) -> None:
         """`path` opened a second time with O_DIRECT (its buffered fd stays for the rest);
@@ -311,6 +334,7 @@ class LocalStore(Store):
             if measured is None:  # too small to measure: preads, and the next file tries again
                 return readpath.Choice(mount, "pread", "not measured yet", asked=self.io_threads)
             choice = measured
+            readpath.time_handles(choice, path, st.st_size)
             readpath.report(choice)
             self._watch(st.st_dev, choice)
             self._gate(st.st_dev, choice)
@@ -378,6 +402,8 @@ class LocalStore(Store):
             os.close(fd)
         if new is None:
             return
+        if old.handles > 1 and new.path == "pread" and readpath.daemon_bound(new):
+            new.handles, new.spread_ceiling = old.handles, old.spread_ceiling  # its files stay spread
         with self._pin_lock:
             asked, achieved = watch.last_window or (0.0, 0.0)
             rates = ", ".join(f"{p} {r:,.0f} reads/s" for p, r in new.rates.items())
@@ -453,6 +479,7 @@ class LocalStore(Store):
                 direct = self._direct.pop(path, None)
                 if direct is not None:
                     os.close(direct.fd)
+                self._close_extra(path)
                 _close_retired(self._retired.pop(path, []))
                 self._dev_of.pop(path, None)
                 os.close(self._pinned.pop(path))
@@ -534,7 +561,8 @@ class LocalStore(Store):
             self.path_reads["direct"] += 1
             return self.native.direct_read(direct, offset, size)
         self.path_reads["pread"] += 1
-        fd = self._pinned.get(path)
+        spread = self._spread.get(path) if self._spread else None
+        fd = next(spread) if spread is not None else self._pinned.get(path)
         if fd is not None:
             return self.native.pread(fd, offset, size)
         return self.native.pread_path(path, offset, size)
@@ -645,7 +673,9 @@ class LocalStore(Store):
         assert self.native is not None
         mapping, direct = self._maps.get(path), self._direct.get(path)
         self.path_reads["mmap" if mapping is not None else "direct" if direct is not None else "pread"] += len(ranges)
-        self.native.pread_ranges(self._pinned.get(path), path, ranges, callback, mapping, direct)
+        spread = self._spread.get(path) if self._spread else None
+        fd = next(spread) if spread is not None else self._pinned.get(path)
+        self.native.pread_ranges(fd, path, ranges, callback, mapping, direct)
 
     def close(self) -> None:
         if self.native is not None:
@@ -665,6 +695,8 @@ class LocalStore(Store):
             self._dev_of.clear()
             self._watches.clear()
             self._gates.clear()
+            for path in list(self._extra_fds):
+                self._close_extra(path)
             for fd in self._pinned.values():
                 os.close(fd)
             self._pinned.clear()
