@@ -172,7 +172,9 @@ def test_a_mount_whose_daemon_serves_files_apart_in_parallel_has_its_preads_spre
                 store.pin(path)
                 (choice,) = store.read_paths()
                 assert readpath.daemon_bound(choice) and choice.path == "pread", choice
-                assert choice.handles == readpath.HANDLES, choice.rates
+                assert choice.handles == readpath.HANDLES, (choice.rates, choice.spread)
+                assert choice.spread is not None and choice.spread[1] >= readpath.MARGIN * choice.rates["pread"]
+                assert f"pread over {readpath.HANDLES} descriptors" in readpath.rates_line(choice)
                 (gate,) = store.gates().values()
                 assert gate.limit == readpath.read_limit(choice) > readpath.READ_LIMIT_MIN
                 s3.reset_stats()

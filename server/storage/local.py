@@ -402,11 +402,11 @@ class LocalStore(Store):
             os.close(fd)
         if new is None:
             return
-        if old.handles > 1 and new.path == "pread" and readpath.daemon_bound(new):
-            new.handles, new.spread_ceiling = old.handles, old.spread_ceiling  # its files stay spread
+        if old.handles > 1 and new.path == "pread" and readpath.daemon_bound(new):  # its files stay spread
+            new.handles, new.spread, new.spread_ceiling = old.handles, old.spread, old.spread_ceiling
         with self._pin_lock:
             asked, achieved = watch.last_window or (0.0, 0.0)
-            rates = ", ".join(f"{p} {r:,.0f} reads/s" for p, r in new.rates.items())
+            rates = readpath.rates_line(new)
             self._mounts[dev] = new
             self._gate(dev, new)
             if new.path != old.path:

@@ -168,6 +168,7 @@ class Choice:
     #: Descriptors of each pinned file its preads are spread over (a daemon-bound mount whose
     #: daemon serves files apart in parallel: `time_handles`), and what they completed at once.
     handles: int = 1
+    spread: tuple[int, float] | None = None  # (descriptors, reads/s) where spread preads were timed
     spread_ceiling: float = 0.0
 
     @property
@@ -341,7 +342,7 @@ def time_handles(choice: Choice, path: str, size: int, k: int = HANDLES) -> None
         for fd in fds:
             os.close(fd)
     rate = len(offsets) / max(secs, 1e-9)
-    choice.rates[f"pread over {k} descriptors"] = rate
+    choice.spread = (k, rate)
     if rate >= MARGIN * choice.rates["pread"]:
         choice.handles, choice.spread_ceiling = k, min(2.0 * k, rate * choice.latency_s)
 
@@ -375,6 +376,14 @@ def remedy(mount: Mount, want: int, choice: Choice | None = None) -> str:
     return "raise the file system's own limit on concurrent requests (NFS: nconnect, the RPC slot table)"
 
 
+def rates_line(choice: Choice) -> str:
+    """Each path's measured reads/s, and preads spread over descriptors where that was timed."""
+    line = ", ".join(f"{p} {r:,.0f} reads/s" for p, r in choice.rates.items())
+    if choice.spread is not None:
+        line += f", pread over {choice.spread[0]} descriptors {choice.spread[1]:,.0f} reads/s"
+    return line
+
+
 def report(choice: Choice) -> None:
     """One log line for a mount whose preads are capped below the concurrency asked for."""
     if not choice.capped():
@@ -382,7 +391,7 @@ def report(choice: Choice) -> None:
     m = choice.mount
     limits = m.fuse_limits()
     known = f" (the kernel says max_background={limits['max_background']})" if "max_background" in limits else ""
-    rates = ", ".join(f"{p} {r:,.0f} reads/s" for p, r in choice.rates.items())
+    rates = rates_line(choice)
     rates += "".join(f"; {p} unavailable: {why}" for p, why in choice.unavailable.items())
     log.warning(
         "storage: %s (%s) completes only about %.0f reads at once with preads%s, croupier asks for up to %d; "
