@@ -307,16 +307,19 @@ def daemon_bound(choice: Choice) -> bool:
 HANDLES = 8
 
 
-def time_handles(choice: Choice, path: str, size: int, k: int = HANDLES) -> None:
+def time_handles(choice: Choice, path: str, size: int, k: int = HANDLES, offsets: list[int] | None = None,
+                 read_bytes: int = _READ_BYTES) -> None:
     """On a daemon-bound mount read by preads, time reads of `path` spread over `k`
     descriptors of it, 2k at once on Python threads (reads this slow leave the GIL idle), and
-    spread the store's preads over that many when they complete MARGIN times what one does."""
+    spread the store's preads over that many when they complete MARGIN times what one does.
+    `offsets`: where to read (default: 4k pages of the file drawn at random)."""
     if not daemon_bound(choice) or choice.path != "pread" or "pread" not in choice.rates:
         return
-    pages = _pages(size, 4 * k, seed=size + 1)
-    if pages is None:
-        return
-    offsets = [p * _PAGE + 64 for p in pages]
+    if offsets is None:
+        pages = _pages(size, 4 * k, seed=size + 1)
+        if pages is None:
+            return
+        offsets = [p * _PAGE + 64 for p in pages]
     fds: list[int] = []
     try:
         for _ in range(k):
@@ -326,7 +329,7 @@ def time_handles(choice: Choice, path: str, size: int, k: int = HANDLES) -> None
 
         def reads(i: int) -> None:
             for off in offsets[i::2 * k]:
-                os.pread(fds[i % k], _READ_BYTES, off)
+                os.pread(fds[i % k], read_bytes, off)
 
         threads = [threading.Thread(target=reads, args=(i,), name="croupier-probe") for i in range(2 * k)]
         t0 = time.perf_counter()
