@@ -135,7 +135,9 @@ class DatasetFill:
             if self._stopped():
                 return
             blocks = [b for b in range(f.key.blocks()) if not self.cache.cached(f.key, b)]
-            if not blocks or not self._pays(f, blocks) or not blocks:  # (the trial may have read the only one)
+            if not blocks or not self._pays(f, blocks):
+                continue
+            if not blocks:  # the trial read the only one
                 continue
             n = max(1, min(parts, len(blocks) // MIN_STREAM_BLOCKS))
             step = math.ceil(len(blocks) / n)
@@ -145,28 +147,32 @@ class DatasetFill:
     def _pays(self, f: FillFile, blocks: list[int]) -> bool:
         """Whether fills pay on `f`'s mount: decided once per mount, by `_decide` or by
         reading `blocks`' first (taken from the list) and timing it."""
-        try:
-            dev = os.stat(f.key.real_path).st_dev  # no open on the file system: a lookup
-            decision = self.cache.fill_pays.get(dev)
-        except OSError:  # no real path to look at (no /proc): the dataset's descriptor says
-            dev, decision = None, None
-        if decision is None and dev is not None:
+        dev = self._device(f)
+        decision = self.cache.fill_pays.get(dev)
+        if decision is None:
             decision = self._decide(f, dev)
         if decision is None:
             fd = self.source.open_fd(f.path)
             try:
-                dev = os.fstat(fd).st_dev
-                decision = self.cache.fill_pays.get(dev)
-                if decision is None:
-                    decision = self._decide(f, dev)
-                if decision is None:
-                    if hasattr(os, "posix_fadvise"):
-                        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
-                    decision = self._trial(fd, f, blocks.pop(0), dev)
+                if hasattr(os, "posix_fadvise"):
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+                decision = self._trial(fd, f, blocks.pop(0), dev)
             finally:
                 os.close(fd)
         self.cache.fill_pays.setdefault(dev, decision)
         return decision
+
+    def _device(self, f: FillFile) -> int:
+        """st_dev of `f`'s mount: a lookup of its real path (no open on the file system), else
+        (no /proc to name it) the dataset's descriptor's."""
+        try:
+            return os.stat(f.key.real_path).st_dev
+        except OSError:
+            fd = self.source.open_fd(f.path)
+            try:
+                return os.fstat(fd).st_dev
+            finally:
+                os.close(fd)
 
     def _read_streams(self, streams: Iterator[tuple[FillFile, list[int]]]) -> None:
         """FILL_IN_FLIGHT streams at once, each one block in flight on a descriptor of its

@@ -359,6 +359,15 @@ class LocalStore(Store):
             del self._gates[dev]
         gate.set_limit_threadsafe(limit or 1 << 30)
 
+    def _gate_of(self, path: str) -> ReadGate | None:
+        """The gate of the mount pinned file `path` lies on (None: no gate)."""
+        return self._gates.get(self._dev_of.get(path, -1)) if self._gates else None
+
+    def _pread_fd(self, path: str) -> int | None:
+        """The descriptor a pread of `path` goes to: the next of its spread ones, else the pinned one."""
+        spread = self._spread.get(path) if self._spread else None
+        return next(spread) if spread is not None else self._pinned.get(path)
+
     def gates(self) -> dict[str, ReadGate]:
         """Each gated mount's point and its gate (metrics, tests)."""
         return {self._mounts[dev].mount.point: g for dev, g in list(self._gates.items()) if dev in self._mounts}
@@ -403,7 +412,7 @@ class LocalStore(Store):
         if new is None:
             return
         if old.handles > 1 and new.path == "pread" and readpath.daemon_bound(new):  # its files stay spread
-            new.handles, new.spread, new.spread_ceiling = old.handles, old.spread, old.spread_ceiling
+            new.handles, new.spread = old.handles, old.spread
         with self._pin_lock:
             asked, achieved = watch.last_window or (0.0, 0.0)
             rates = readpath.rates_line(new)
@@ -539,7 +548,7 @@ class LocalStore(Store):
         return self._pread(path, offset, size)
 
     def _native_read(self, path: str, offset: int, size: int) -> "asyncio.Future[bytes]":
-        gate = self._gates.get(self._dev_of.get(path, -1)) if self._gates else None
+        gate = self._gate_of(path)
         if gate is not None:
             fut = gate.run(lambda: self._native_read_by_path(path, offset, size))
         else:
@@ -561,8 +570,7 @@ class LocalStore(Store):
             self.path_reads["direct"] += 1
             return self.native.direct_read(direct, offset, size)
         self.path_reads["pread"] += 1
-        spread = self._spread.get(path) if self._spread else None
-        fd = next(spread) if spread is not None else self._pinned.get(path)
+        fd = self._pread_fd(path)
         if fd is not None:
             return self.native.pread(fd, offset, size)
         return self.native.pread_path(path, offset, size)
@@ -638,7 +646,7 @@ class LocalStore(Store):
             callback(parts, err)
 
         if self.native is not None:
-            gate = self._gates.get(self._dev_of.get(path, -1)) if self._gates else None
+            gate = self._gate_of(path)
             if gate is None:
                 self._start_ranges(path, ranges, counted)
                 return True
@@ -673,9 +681,7 @@ class LocalStore(Store):
         assert self.native is not None
         mapping, direct = self._maps.get(path), self._direct.get(path)
         self.path_reads["mmap" if mapping is not None else "direct" if direct is not None else "pread"] += len(ranges)
-        spread = self._spread.get(path) if self._spread else None
-        fd = next(spread) if spread is not None else self._pinned.get(path)
-        self.native.pread_ranges(fd, path, ranges, callback, mapping, direct)
+        self.native.pread_ranges(self._pread_fd(path), path, ranges, callback, mapping, direct)
 
     def close(self) -> None:
         if self.native is not None:

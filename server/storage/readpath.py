@@ -169,12 +169,18 @@ class Choice:
     #: daemon serves files apart in parallel: `time_handles`), and what they completed at once.
     handles: int = 1
     spread: tuple[int, float] | None = None  # (descriptors, reads/s) where spread preads were timed
-    spread_ceiling: float = 0.0
 
     @property
     def ceiling(self) -> float:
         """The chosen path's measured concurrency (0: not measured)."""
         return self.ceilings.get(self.path, 0.0)
+
+    @property
+    def spread_ceiling(self) -> float:
+        """Reads the spread descriptors completed at once, where the store uses them (else 0)."""
+        if self.handles <= 1 or self.spread is None:
+            return 0.0
+        return min(2.0 * self.handles, self.spread[1] * self.latency_s)
 
     def capped(self) -> bool:
         """Preads reach less than half the concurrency the probe asked for, and not
@@ -347,7 +353,7 @@ def time_handles(choice: Choice, path: str, size: int, k: int = HANDLES, offsets
     rate = len(offsets) / max(secs, 1e-9)
     choice.spread = (k, rate)
     if rate >= MARGIN * choice.rates["pread"]:
-        choice.handles, choice.spread_ceiling = k, min(2.0 * k, rate * choice.latency_s)
+        choice.handles = k
 
 
 #: A daemon-bound mount's reads in flight at its storage are held to this many times the
