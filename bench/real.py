@@ -581,6 +581,19 @@ def _tree_bytes(path: Path) -> int:
     return path.stat().st_size if path.is_file() else sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
 
 
+def _server_flags(suite: RealSuite, rc: RealCase, st: StorageUnderTest, cache_dir: str, extra: dict[str, Any]) -> list[str]:
+    """`croupier serve`'s flags for a case: the suite's, metrics on, the condition's cache bound
+    (recorded in `extra`), and on S3 the tar index's folder."""
+    flags = [*suite.server_flags, "--metrics-port", "0"]
+    if rc.condition.cache_share:
+        held = int(rc.condition.cache_share * _tree_bytes(Path(st.baseline_path(rc.dataset))))
+        flags += ["--cache-memory", str(held)]
+        extra["cache_memory_bytes"] = held
+    if cache_dir and isinstance(st, S3Storage):
+        flags += ["--cache-dir", cache_dir]
+    return flags
+
+
 def run_real_case(suite: RealSuite, rc: RealCase, st: StorageUnderTest, log: Path, index_file: str = "",
                   cache_dir: str = "", profile_out: Path | None = None) -> dict[str, Any]:
     case = _case(suite, rc)
@@ -601,13 +614,7 @@ def run_real_case(suite: RealSuite, rc: RealCase, st: StorageUnderTest, log: Pat
     with Poller(st.stats) as poller:
         t_start = time.perf_counter()
         if sysm.kind == "croupier":
-            flags = [*suite.server_flags, "--metrics-port", "0"]
-            if rc.condition.cache_share:
-                held = int(rc.condition.cache_share * _tree_bytes(Path(st.baseline_path(rc.dataset))))
-                flags += ["--cache-memory", str(held)]
-                extra["cache_memory_bytes"] = held
-            if cache_dir and isinstance(st, S3Storage):
-                flags += ["--cache-dir", cache_dir]
+            flags = _server_flags(suite, rc, st, cache_dir, extra)
             launcher = ("-m", "croupier.bench.profserve", str(profile_out)) if profile_out else ("-m", "croupier.cli")
             server = ServerProcess([f"{rc.dataset}={st.croupier_path(rc.dataset)}"], flags, log, launcher)
             extra["server_start_s"] = time.perf_counter() - t_start
