@@ -1,17 +1,20 @@
 """A table's warm rows cross into storage once per group of rows, not once per sample.
 
-Only where reads land at once: on a local file system, or where the server's cache holds
-the whole file in memory. Elsewhere (a FUSE mount) a group's slowest read would hold the
-rest, so rows there are read one at a time. Real Arrow IPC files read by range through a real
-LocalStore (the native read pool where it is built); the store's `submit_ranges` calls are
-counted, on a stream alone and on a shared epoch (the server's default path), and every
-sample still arrives exactly once, in its batch and position, with its own bytes.
+Where reads land at once (a local file system, or a file the server's cache holds whole in
+memory) a group lands as one (`submit_ranges`). Elsewhere (a FUSE mount) a group's rows are
+started in one call too, but each is handed over as soon as its own read lands
+(`submit_rows`), so the group's slowest read holds back no other row. Real Arrow IPC files
+read by range through a real LocalStore (the native read pool where it is built); the
+store's calls are counted, on a stream alone and on a shared epoch (the server's default
+path), and every sample still arrives exactly once, in its batch and position, with its
+own bytes. How the rows of one call are handed over (`native._Rows`) is driven by hand.
 """
 
 from __future__ import annotations
 
 import asyncio
 import math
+import os
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +28,8 @@ from croupier.server.cache.cached_store import CachedStore
 from croupier.server.cache.sizing import CacheSizes
 from croupier.server.readers.arrow_ipc import ArrowIPCReader
 from croupier.server.storage.base import Store
+from croupier.server.storage import native
+from croupier.server.storage.gate import ReadGate
 from croupier.server.storage.local import LocalStore
 from croupier.server.stream.dealer import Dealer
 from croupier.server.stream.fetch_limits import FetchLimits
@@ -43,19 +48,31 @@ def _table(path: Path) -> None:
 
 
 class Crossings:
-    """Counts the calls into the store's batched read path and the ranges they carry."""
+    """Counts the calls into the store's batched read paths, the ranges they carry, and
+    (`submit_rows`) the calls handing rows back and the rows in them."""
 
     def __init__(self, store: Store):
-        self.calls = 0
-        self.ranges = 0
-        inner = store.submit_ranges
+        self.calls = self.ranges = 0  # submit_ranges
+        self.row_calls = self.row_ranges = self.handovers = self.rows_back = 0  # submit_rows
+        ranges_inner, rows_inner = store.submit_ranges, store.submit_rows
 
         def counted(path: str, ranges: Any, callback: Any) -> bool:
             self.calls += 1
             self.ranges += len(ranges)
-            return inner(path, ranges, callback)
+            return ranges_inner(path, ranges, callback)
+
+        def by_rows(path: str, rows: Any, callback: Any) -> bool:
+            def back(done: list) -> None:
+                self.handovers += 1
+                self.rows_back += len(done)
+                callback(done)
+
+            self.row_calls += 1
+            self.row_ranges += sum(map(len, rows))
+            return rows_inner(path, rows, back)
 
         store.submit_ranges = counted  # type: ignore[method-assign]
+        store.submit_rows = by_rows  # type: ignore[method-assign]
 
 
 async def _stream(path: Path, shared: bool, store: Store | None = None) -> tuple[list, Crossings]:
@@ -103,14 +120,20 @@ def test_a_shared_epoch_reads_its_rows_in_groups_too(tmp_path: Path) -> None:
     assert crossings.calls == (ROWS // BATCH_SIZE) * math.ceil(BATCH_SIZE / READ_GROUP)
 
 
-def test_a_table_on_a_fuse_mount_is_read_one_row_at_a_time(tmp_path: Path) -> None:
+GROUPS = (ROWS // BATCH_SIZE) * math.ceil(BATCH_SIZE / READ_GROUP)
+
+
+def test_a_table_on_a_fuse_mount_is_read_in_groups_whose_rows_are_handed_over_as_they_land(tmp_path: Path) -> None:
     (tmp_path / "src").mkdir()
     _table(tmp_path / "src" / "t.arrow")
-    with latencyfs.mounted(tmp_path / "src", median_ms=0, distribution="fixed") as fs:
+    # Reads of 1-3 ms each (lognormal): a group's 32 land over several wake-ups of the loop.
+    with latencyfs.mounted(tmp_path / "src", median_ms=1, sigma=0.5) as fs:
         got, crossings = asyncio.run(_stream(fs.path / "t.arrow", shared=True))
     _check_exactly_once(got)
-    assert crossings.ranges == ROWS
-    assert crossings.calls == ROWS  # one storage call per row, as before groups
+    assert crossings.calls == 0  # never as one group landing at once
+    assert crossings.row_calls == GROUPS and crossings.row_ranges == ROWS  # one call per group, no row twice
+    assert crossings.rows_back == ROWS  # every row handed over once...
+    assert crossings.handovers > GROUPS  # ...as they landed, not each group when its slowest did
 
 
 def test_a_table_the_server_cache_holds_whole_is_read_in_groups_even_on_a_fuse_mount(tmp_path: Path) -> None:
@@ -131,7 +154,7 @@ def test_a_table_the_server_cache_holds_whole_is_read_in_groups_even_on_a_fuse_m
     assert cache.stats.misses == 0 and cache.stats.hits >= ROWS  # and every row from memory
 
 
-def test_a_file_the_cache_holds_in_part_is_still_read_one_row_at_a_time(tmp_path: Path) -> None:
+def test_rows_the_cache_holds_come_from_memory_and_the_rest_from_storage_in_the_same_groups(tmp_path: Path) -> None:
     (tmp_path / "src").mkdir()
     _table(tmp_path / "src" / "t.arrow")
     with latencyfs.mounted(tmp_path / "src", median_ms=0, distribution="fixed") as fs:
@@ -143,4 +166,60 @@ def test_a_file_the_cache_holds_in_part_is_still_read_one_row_at_a_time(tmp_path
         finally:
             store.close()
     _check_exactly_once(got)
-    assert crossings.calls == ROWS
+    assert crossings.calls == 0 and crossings.row_calls == GROUPS and crossings.rows_back == ROWS
+    assert cache.stats.hits + cache.stats.misses == ROWS  # each row's one range, counted once
+
+
+def _rows(callback: Any, rows: list[list[tuple[int, int]]]) -> Any:
+    return native._Rows(None, callback, rows)  # type: ignore[arg-type]  # no loop: driven by hand
+
+
+def test_the_rows_of_one_call_are_handed_over_as_each_completes_once_per_wake_up() -> None:
+    calls: list[list] = []
+    group = _rows(calls.append, [[(0, 1)], [(10, 1), (20, 1)], [(30, 1)], [(40, 1)]])
+    # One wake-up: row 2 lands whole, row 1 half: only row 2 is handed over, once.
+    assert group.land(2 * native._ROW_SPAN, b"c") is True
+    assert group.land(1 * native._ROW_SPAN + 1, b"B2") is False
+    group.flush()
+    assert calls == [[(2, [b"c"], None)]]
+    # The next: row 1's other range, and a failed read of row 3; row 0 still out.
+    assert group.land(1 * native._ROW_SPAN, b"B1") is True
+    assert group.land(3 * native._ROW_SPAN, -5) is False  # already to be flushed
+    group.flush()
+    assert calls[1][0] == (1, [b"B1", b"B2"], None)  # its parts in the order asked
+    row, parts, err = calls[1][1]
+    assert (row, parts, type(err), err.errno) == (3, None, OSError, 5)
+    group.flush()  # a wake-up with nothing new: no call
+    assert len(calls) == 2
+    assert group.land(0, b"a") is True
+    group.flush()
+    assert calls[2] == [(0, [b"a"], None)]
+    assert sorted(r for call in calls for r, _, _ in call) == [0, 1, 2, 3]  # each row exactly once
+
+
+def test_a_row_whose_first_range_failed_is_not_handed_over_again_when_its_others_land() -> None:
+    calls: list[list] = []
+    group = _rows(calls.append, [[(0, 1), (1, 1), (2, 1)]])
+    assert group.land(1, -5) is True
+    assert group.land(0, b"x") is False and group.land(2, b"y") is False
+    group.flush()
+    assert [r for r, _, _ in calls[0]] == [0] and len(calls) == 1
+
+
+def test_a_gated_mount_starts_a_groups_rows_one_by_one_at_its_gate(tmp_path: Path) -> None:
+    # A group would pass the gate as one call of 32 reads, past a limit of 2 or 4: each of
+    # its rows waits its turn instead, and all are still handed over, each once.
+    (tmp_path / "src").mkdir()
+    _table(tmp_path / "src" / "t.arrow")
+    with latencyfs.mounted(tmp_path / "src", median_ms=0, distribution="fixed") as fs:
+        store = LocalStore(io_threads=16)
+        path = str(fs.path / "t.arrow")
+        store.pin(path)
+        gate = store._gates[os.stat(path).st_dev] = ReadGate(2)
+        try:
+            got, crossings = asyncio.run(_stream(fs.path / "t.arrow", shared=True, store=store))
+        finally:
+            store.close()
+    _check_exactly_once(got)
+    assert crossings.row_calls == GROUPS and crossings.rows_back == ROWS
+    assert gate.peak == 2 and gate.in_flight == 0 and gate.queued >= ROWS - GROUPS * 2

@@ -173,6 +173,47 @@ class CachedStore(ForwardingStore):
         self._count(parts)
         return True
 
+    def submit_rows(self, path: str, rows: Sequence[Sequence[Range]], callback: Callable[..., None]) -> bool:
+        """Rows whose every range the memory tier holds are handed over at once (on the
+        next turn of the loop, together); the others are read from storage as rows
+        (`Store.submit_rows`). False where the disk tier holds some of what is missing."""
+        key = self._keys.get(path)
+        if key is None:
+            return self.inner.submit_rows(path, rows, callback)
+        self._start_fill()
+        if not self.cache.memory.resident and self.cache.disk is None:  # nothing cached: no lookups
+            if not self.inner.submit_rows(path, rows, callback):
+                return False
+            self.cache.stats.misses += sum(map(len, rows))
+            return True
+        hits: list[tuple[int, list[bytes] | None, BaseException | None]] = []
+        misses: list[int] = []
+        found: list[bytes] = []
+        for r, ranges in enumerate(rows):
+            parts = self._lookup(key, ranges)
+            if None in parts:
+                misses.append(r)
+            else:
+                found += parts  # type: ignore[arg-type]
+                hits.append((r, parts, None))  # type: ignore[arg-type]
+        if misses:
+            if self.cache.disk is not None and any(self.cache.on_disk(key, *rng) for r in misses for rng in rows[r]):
+                return False  # read_ranges reads the disk tier on the cache's threads
+            stats = self.cache.stats
+
+            def landed(done: list[tuple[int, list[bytes] | None, BaseException | None]]) -> None:
+                # Back to the caller's row numbers; a missed row's ranges are all read again.
+                stats.miss_bytes += sum(sum(map(len, parts)) for _, parts, err in done if err is None)  # type: ignore[arg-type]
+                callback([(misses[r], parts, err) for r, parts, err in done])
+
+            if not self.inner.submit_rows(path, [rows[r] for r in misses], landed):
+                return False  # the caller reads another way, which counts
+        self._count(found)  # a missed row's ranges are all read from storage: misses
+        self.cache.stats.misses += sum(len(rows[r]) for r in misses)
+        if hits:
+            asyncio.get_running_loop().call_soon(callback, hits)
+        return True
+
     async def _read(self, path: str, offset: int, size: int) -> bytes:  # pragma: no cover - read is overridden
         return await self.read(path, offset, size)
 

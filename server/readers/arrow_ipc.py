@@ -101,6 +101,9 @@ class TableReader(Reader):
             self.store.pin(f)  # read row by row for the dataset's life: keep it open
         self._local = self.store.scheme == "file" and all(_on_local_file_system(f) for f in self.files)
         self._held, self._held_asked = False, -math.inf
+        #: The store hands a group's rows over as they land (Store.submit_rows): groups pay
+        #: even where reads land at different times. Until a store says it cannot.
+        self._rows_stream = True
         self.layouts: list[IPCLayout] = read_layouts(self.store, self.files, cache_dir)
         first = self.layouts[0].schema
         for layout in self.layouts[1:]:
@@ -190,9 +193,14 @@ class TableReader(Reader):
 
     @property
     def reads_in_groups(self) -> bool:  # type: ignore[override]
-        """Where reads land at once: files on a local file system (known at open), or all
-        held whole in the server's memory cache (asked again at most once a second, by the
-        issuer at each batch: a fill that ends mid-epoch turns groups on for the rest)."""
+        """Groups, landing at once where reads do: files on a local file system (known at
+        open), or all held whole in the server's memory cache (asked again at most once a
+        second, by the issuer at each batch: a fill that ends mid-epoch turns that on for
+        the rest); elsewhere landing row by row as they complete (`Store.submit_rows`),
+        where the store can."""
+        return self._lands_at_once() or self._rows_stream
+
+    def _lands_at_once(self) -> bool:
         if self._local:
             return True
         now = time.monotonic()
@@ -277,14 +285,17 @@ class TableReader(Reader):
         return not self.start_reads((index,), columns, lambda results: done(results[0][1], results[0][2]))
 
     def start_reads(self, indices: Sequence[int], columns: Sequence[str], done) -> Sequence[int]:
-        """Warm rows of `indices` with one `submit_ranges` per file (every row's value
-        ranges in one call, one callback); cold rows (pages missing) are left to `read`."""
+        """Warm rows of `indices` with one store call per file: every row's value ranges
+        in one `submit_ranges` (one callback) where reads land at once, else handed over
+        row by row as they land (`submit_rows`: `done` is then called more than once, each
+        row in one call); cold rows (pages missing) are left to `read`."""
         if not self._codecs:
             return range(len(indices))
         names, codecs = self._codecs_of(columns)
         per_row, pages, layouts, num_rows = 16 * len(codecs), self.pages, self.layouts, self.num_rows
         cold: list[int] = []
         known: list[tuple[int, Any, BaseException | None]] = []  # rows that need no read
+        by_rows = self._rows_stream and not (self._local or self._held)  # else they land at once
         groups: dict[int, tuple[list[tuple[int, int]], list[tuple[int, RowItem, list, int, int]]]] = {}
         for pos, index in enumerate(indices):
             if not 0 <= index < num_rows:
@@ -308,14 +319,35 @@ class TableReader(Reader):
             group = groups.get(f)
             if group is None:
                 group = groups[f] = ([], [])
-            group[0].extend([(o, s) for o, s, _ in w.fetch])
+            if by_rows:
+                group[0].append([(o, s) for o, s, _ in w.fetch])
+            else:
+                group[0].extend([(o, s) for o, s, _ in w.fetch])
             group[1].append((pos, item, w.fetch, b, r))
         for f, (ranges, rows) in groups.items():
+            if by_rows:
+                if self.store.submit_rows(self.files[f], ranges, functools.partial(self._rows_landed, f, rows, done)):
+                    continue
+                self._rows_stream = False  # this store cannot: groups only where reads land at once
+                ranges = [rng for row in ranges for rng in row]
             if not self.store.submit_ranges(self.files[f], ranges, functools.partial(self._landed, f, rows, done)):
                 cold.extend(row[0] for row in rows)
         if known:
             done(known)
         return cold
+
+    def _rows_landed(self, f: int, rows: list, done, landed: list) -> None:
+        """Some of a group's rows are in (`Store.submit_rows`): each one's item, or the error naming it."""
+        results: list[tuple[int, Any, BaseException | None]] = []
+        for k, parts, err in landed:
+            pos, item, fetch, b, r = rows[k]
+            if err is not None:
+                results.append((pos, None, SampleError(f"{self._row_name(item.index, f, b, r)}: cannot read: {err}",
+                                                       item.index, self.path)))
+                continue
+            error = self._fill(item, fetch, parts, f, b, r)
+            results.append((pos, None, error) if error is not None else (pos, item, None))
+        done(results)
 
     def _landed(self, f: int, rows: list, done, parts: list[bytes] | None, err: BaseException | None) -> None:
         """A group's ranges are in: each row's item, or the error naming its row."""

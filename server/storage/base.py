@@ -260,6 +260,19 @@ class Store(abc.ABC):
         such path (then await `read_ranges`)."""
         return False
 
+    def submit_rows(
+        self, path: str, rows: "Sequence[Sequence[Range]]",
+        callback: "Callable[[list[tuple[int, list[bytes] | None, BaseException | None]]], None]",
+    ) -> bool:
+        """The ranges of several rows (each a list of ranges of `path`) started at once, each
+        row handed over as soon as its own ranges have landed: `callback([(row, parts,
+        None) | (row, None, error), ...])` on the loop, once per wake-up with the rows done
+        since the last call, so every row is named exactly once over the calls; counted
+        like `read_ranges`. Where reads land at different times (slow storage), a group's
+        rows go on at their own read's pace, at the Python cost of a group. False when this
+        store has no such path (then `submit_ranges` or `read_ranges`)."""
+        return False
+
     def submit_whole(self, path: str, callback: "Callable[[bytes | None, BaseException | None], None]") -> bool:
         """`read(path, 0, -1)` without a coroutine or a future (a file read whole: an image):
         `callback(data, None)` or `callback(None, error)` on the loop; counted like `read`.

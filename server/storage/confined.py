@@ -201,6 +201,11 @@ class ConfinedStore(Store):
             return self.inner.submit_ranges(path, ranges, callback)
         return False  # the caller awaits read_ranges, which checks the file it opens
 
+    def submit_rows(self, path: str, rows: Sequence[Sequence[Range]], callback) -> bool:
+        if path in self._pins:
+            return self.inner.submit_rows(path, rows, callback)
+        return False
+
     def submit_whole(self, path: str, callback: Callable[..., None]) -> bool:
         """The file read whole without a task: opened, checked under the roots and read by
         a native thread, as `read` does; False where that is not how it is read."""

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import functools
 import itertools
 import logging
 import math
@@ -674,6 +675,53 @@ class LocalStore(Store):
 
         self.path_reads["pread"] += n
         self.pool.submit(self._preads, path, ranges).add_done_callback(landed)
+        return True
+
+    def submit_rows(self, path: str, rows: Sequence[Sequence[Range]], callback) -> bool:
+        n = sum(map(len, rows))
+        if self.native is None or n == 0:
+            return False
+        stats = self.stats
+        stats.started(n)
+        watch = self._watches.get(self._dev_of.get(path, -1)) if self._watches else None
+        if watch is not None:
+            watch.started(n, time.monotonic())
+        gate = self._gate_of(path)
+
+        def counted(done: list[tuple[int, list[bytes] | None, BaseException | None]]) -> None:
+            k = nbytes = failed = 0
+            for row, parts, err in done:
+                if err is None:
+                    k += len(parts)  # type: ignore[arg-type]
+                    nbytes += sum(map(len, parts))  # type: ignore[arg-type]
+                else:
+                    failed += len(rows[row])  # its ranges that did land are not handed over
+            if gate is not None:
+                gate.release(k + failed)
+            stats.finished(nbytes, k, ok=True)
+            if failed:
+                stats.finished(0, failed, ok=False)
+            if watch is not None:
+                self._landed(path, watch, k + failed)
+            callback(done)
+
+        def start(which: Sequence[int]) -> None:
+            mapping, direct = self._maps.get(path), self._direct.get(path)
+            self.path_reads["mmap" if mapping is not None else "direct" if direct is not None else "pread"] += sum(
+                len(rows[r]) for r in which)
+            landed = counted if len(which) == len(rows) else (
+                lambda done: counted([(which[k], parts, err) for k, parts, err in done]))
+            try:
+                self.native.pread_rows(self._pread_fd(path), path,  # type: ignore[union-attr]
+                                       rows if landed is counted else [rows[r] for r in which], landed, mapping, direct)
+            except BaseException as e:  # noqa: BLE001  # it could not start: its caller hears of every row
+                counted([(r, None, e) for r in which])
+
+        if gate is None:
+            start(range(len(rows)))
+        else:  # each row waits its turn: a group would pass the gate as one, past its limit
+            for r in range(len(rows)):
+                gate.submit(len(rows[r]), functools.partial(start, (r,)))
         return True
 
     def _start_ranges(self, path: str, ranges: Sequence[Range], callback: Callable) -> None:

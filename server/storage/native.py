@@ -198,22 +198,55 @@ class NativeReadPool:
             else:
                 self._pool.submit_path(self._token, path, offset, size)
 
+    def pread_rows(
+        self,
+        fd: int | None,
+        path: str,
+        rows: Sequence[Sequence[tuple[int, int]]],
+        callback: Callable[[list[tuple[int, list[bytes] | None, OSError | None]]], None],
+        mapping: Any = None,
+        direct: DirectFile | None = None,
+    ) -> None:
+        """Read every range of `rows` (each a row's list of ranges) as `pread_ranges` does,
+        all at once, but hand rows over as they complete: at each wake-up of the loop,
+        `callback([(row, parts, None) | (row, None, error), ...])` once with the rows whose
+        last range landed since the last call. Why: where reads do not land together (slow
+        storage), a group's rows each go on at their own read's pace, while the loop's
+        Python is paid per wake-up, not per row (server/stream/read_groups.py)."""
+        group = _Rows(self._watch(), callback, rows)
+        futures, pool = self._futures, self._pool
+        for r, ranges in enumerate(rows):
+            for j, (offset, size) in enumerate(ranges):
+                self._token += 1
+                futures[self._token] = (group, r * _ROW_SPAN + j)  # type: ignore[assignment]
+                if mapping is not None:
+                    pool.submit_map(self._token, mapping, offset, size)
+                elif direct is not None:
+                    pool.submit_direct(self._token, direct.fd, offset, size, direct.align)
+                elif fd is not None:
+                    pool.submit(self._token, fd, offset, size)
+                else:
+                    pool.submit_path(self._token, path, offset, size)
+
     def _drain(self) -> None:
         loop = asyncio.get_running_loop()
+        touched: list[_Rows] = []
         for token, value in self._pool.drain():
             entry = self._futures.pop(token, None)
             if entry is None:
                 continue
-            if type(entry) is tuple:  # a _Group's range, or a _Call
+            if type(entry) is tuple:  # a _Group's range, a _Rows' range, or a _Call
                 group, i = entry
                 if group.loop is not loop:  # another loop's read (tests share a store)
-                    group.loop.call_soon_threadsafe(group.land, i, value)
-                else:
-                    group.land(i, value)
+                    group.loop.call_soon_threadsafe(_land_elsewhere, group, i, value)
+                elif group.land(i, value):
+                    touched.append(group)  # rows completed: handed over after this drain
             elif entry.get_loop() is not loop:
                 entry.get_loop().call_soon_threadsafe(_settle, entry, value)
             else:
                 _settle(entry, value)
+        for group in touched:
+            group.flush()
 
     def close(self) -> None:
         self._closed = True
@@ -248,6 +281,60 @@ class _Group:
         self.left -= 1
         if self.left == 0:
             self.callback(self.parts, None)
+
+
+#: A _Rows range's key: row * _ROW_SPAN + its index in the row (one int, no tuple per range).
+_ROW_SPAN = 1 << 16
+
+
+class _Rows:
+    """The rows of one `pread_rows` call: each row's parts as they land; the rows that
+    completed since the last `flush` handed over together."""
+
+    __slots__ = ("loop", "callback", "parts", "left", "done", "queued")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, callback: Callable, rows: Sequence[Sequence[Any]]):
+        if any(len(r) >= _ROW_SPAN for r in rows):
+            raise ValueError(f"a row of more than {_ROW_SPAN - 1} ranges")
+        self.loop = loop
+        self.callback = callback
+        self.parts: list[list[bytes | None] | None] = [[None] * len(r) for r in rows]
+        self.left = [len(r) for r in rows]
+        self.done: list[tuple[int, list[bytes] | None, OSError | None]] = []
+        self.queued = False  # in the current drain's list of groups to flush
+
+    def land(self, key: int, value: bytes | int) -> bool:
+        """One range landed; True when this group must be flushed after the drain (the
+        first row it completes since the last flush)."""
+        row, j = divmod(key, _ROW_SPAN)
+        parts = self.parts[row]
+        if parts is None:
+            return False  # the row failed at an earlier range: it was handed over then
+        if isinstance(value, int):
+            self.parts[row] = None
+            self.done.append((row, None, OSError(-value, os.strerror(-value))))
+        else:
+            parts[j] = value
+            self.left[row] -= 1
+            if self.left[row]:
+                return False
+            self.parts[row] = None
+            self.done.append((row, parts, None))  # type: ignore[arg-type]
+        if self.queued:
+            return False
+        self.queued = True
+        return True
+
+    def flush(self) -> None:
+        done, self.done, self.queued = self.done, [], False
+        if done:
+            self.callback(done)
+
+
+def _land_elsewhere(group: "_Group | _Rows | _Call", i: int, value: Any) -> None:
+    """A range landed for another loop's read, on that loop (tests share a store)."""
+    if group.land(i, value):
+        group.flush()  # type: ignore[union-attr]
 
 
 class _Call:

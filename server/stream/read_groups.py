@@ -1,23 +1,29 @@
 """A batch's reads issued in groups: one reader call, one storage call per file and one
-completion per group, instead of each per sample.
+completion per group (or per wake-up of the loop), instead of each per sample.
 
 The per-sample Python of the hot path (the storage layers' bookkeeping, a callback chain,
 the stream's counters) cost more than the reads themselves (bench/results/cpu_per_sample.md):
 a group pays it once. A group never spans batches, holds at most `READ_GROUP` samples
-and only what the bounds allow at once, so the bounds hold as they do per sample; its
-samples complete together, when its last range lands.
+and only what the bounds allow at once, so the bounds hold as they do per sample; the
+completions count each sample, whether a group's come in one call or several.
 
-Only where reads land at once: a reader asks for groups (`Reader.reads_in_groups`) when
-its files lie on a local block or memory file system, or when the server's cache holds
-every byte of them in memory (`Store.held_in_memory`: data that fits, once filled; the
-issuer asks at each batch, so a fill that ends mid-epoch turns groups on for the rest).
-There the server is CPU-bound and
-a group cut the server's CPU per text row about in half, with twice the rows/s
-(bench/results/cpu_per_sample.md). On latencyfs at 5 ms with the kernel's defaults it
-saved no CPU (each read's completion still wakes the loop) and made fewer rows/s in each
-of four tries (8,778-11,943 in groups of 8 or 32, against 15,524-17,930 one by one): a
-group's slowest read holds its slots, and the tuner, seeing the group's latency, kept
-2-10x more reads in flight. Other readers are read one sample at a time (groups of one).
+How a group lands depends on the storage (`ArrowIPCReader.start_reads`). Where reads
+land at once (files on a local block or memory file system, or every byte of them held in
+the server's memory cache: `Store.held_in_memory`, asked by the issuer at each batch, so a
+fill that ends mid-epoch switches) the group is one `submit_ranges` with one completion;
+there the server is CPU-bound, and a group cut its CPU per text row about in half, with
+twice the rows/s (bench/results/cpu_per_sample.md). Elsewhere (a FUSE mount, reads of
+milliseconds) the group is one `submit_rows`: its reads start together, and each row is
+handed over as soon as its own read lands, those that landed since the loop last woke in
+one call. One completion per group (tried first) lost there: a group's slowest read held
+its slots, and the tuner, seeing the group's latency, kept 2-10x more reads in flight
+(8,778-11,943 rows/s against 15,524-17,930 one by one on latencyfs at 5 ms with the
+kernel's defaults). Handed over row by row, each row's latency is its own and the Python
+is paid per wake-up: on that mount, 22,537 against 20,136 rows/s with the cache off and
+46.3 against 56.5 us of server CPU per row; 30,101 against 20,586 and 34.3 against 52.7 us
+with it on (an exploratory A/B; the committed figures are in cpu_per_sample.md). A store
+that cannot (`submit_rows` False: an object store) is read one sample at a time there.
+Other readers are read one sample at a time (groups of one).
 """
 
 from __future__ import annotations
