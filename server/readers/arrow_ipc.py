@@ -36,6 +36,7 @@ from ..storage.mounts import mount_of
 from ..storage.readpath import LOCAL_FILE_SYSTEMS
 from .base import DatasetError, DatasetInfo, Reader, SampleError, TablePayload, dataset_files, item_nbytes
 from .ipc_layout import IPCLayout, read_layouts
+from . import flat_rows
 from .ipc_rows import DEFAULT_PAGE_CACHE_BYTES, PAGE_BYTES, Codec, CorruptRow, Node, PageCache, Unsupported, Walk
 from .ipc_rows import buffer_count, make_codecs, node_count
 from .tables import checked_columns, select_columns, table_info, to_ipc_payload
@@ -70,7 +71,7 @@ def _on_local_file_system(path: str) -> bool:
 def _item_bytes(item: RowItem | pa.RecordBatch) -> int:
     """A row's bytes as its read counted them (base.item_nbytes asks its type three times
     first, once per sample on the event loop); a whole batch's by Arrow."""
-    return item.nbytes if type(item) is RowItem else item_nbytes(item)
+    return item.nbytes if type(item) is RowItem or type(item) is flat_rows.FlatRow else item_nbytes(item)
 
 
 class TableReader(Reader):
@@ -135,6 +136,9 @@ class TableReader(Reader):
         self._loading: dict[tuple[int, int, int, int], asyncio.Future[None]] = {}
         self._column_index = {n: i for i, n in enumerate(first.names)}
         self._selections: dict[tuple[str, ...], tuple[tuple[str, ...], list[Codec]]] = {}
+        self._flat_plans: dict[tuple[str, ...], flat_rows.Plan | None] = {}  # per selection (flat_rows.py)
+        self._flat_columns: dict[int, flat_rows.Column | None] = {}  # per codec, for encode
+        self._batch_layouts = [layout.batches for layout in self.layouts]
         self._codecs: list[Codec] = []
         self.whole_batches_reason = self._whole_batches_reason()  # sets _codecs when rows can be read by range
         self._whole: collections.OrderedDict[int, pa.RecordBatch] = collections.OrderedDict()
@@ -263,8 +267,17 @@ class TableReader(Reader):
                 raise error
         return item
 
-    def _fill(self, item: RowItem, fetch: list, parts: Sequence[bytes], f: int, b: int, r: int) -> SampleError | None:
-        """Hand each fetched range to its node; the error of a short read (truncated file)."""
+    def _fill(self, item: RowItem | flat_rows.FlatRow, fetch: list, parts: Sequence[bytes], f: int, b: int,
+              r: int) -> SampleError | None:
+        """Hand each fetched range to its node (a FlatRow: its value); the error of a short
+        read (truncated file)."""
+        if type(item) is flat_rows.FlatRow:
+            short = flat_rows.fill(item, fetch, parts)
+            if short is None:
+                return None
+            o, s, got = short
+            return SampleError(f"{self._row_name(item.index, f, b, r)}: file is truncated ({got} of {s} bytes at byte {o})",
+                               item.index, self.path)
         for (o, s, node), part in zip(fetch, parts):
             if len(part) != s:
                 return SampleError(
@@ -284,6 +297,20 @@ class TableReader(Reader):
         of one (`start_reads`). Cold rows await `read`."""
         return not self.start_reads((index,), columns, lambda results: done(results[0][1], results[0][2]))
 
+    def _flat_plan(self, columns: Sequence[str]) -> flat_rows.Plan | None:
+        key = tuple(columns)
+        if key not in self._flat_plans:
+            names, codecs = self._codecs_of(columns)
+            self._flat_plans[key] = flat_rows.plan(codecs, names)
+        return self._flat_plans[key]
+
+    def _flat_column(self, codec: Codec) -> flat_rows.Column | None:
+        key = id(codec)
+        if key not in self._flat_columns:
+            got = flat_rows.plan([codec], (codec.path,))
+            self._flat_columns[key] = got.columns[0] if got is not None else None
+        return self._flat_columns[key]
+
     def start_reads(self, indices: Sequence[int], columns: Sequence[str], done) -> Sequence[int]:
         """Warm rows of `indices` with one store call per file: every row's value ranges
         in one `submit_ranges` (one callback) where reads land at once, else handed over
@@ -296,8 +323,19 @@ class TableReader(Reader):
         cold: list[int] = []
         known: list[tuple[int, Any, BaseException | None]] = []  # rows that need no read
         by_rows = self._rows_stream and not (self._local or self._held)  # else they land at once
-        groups: dict[int, tuple[list[tuple[int, int]], list[tuple[int, RowItem, list, int, int]]]] = {}
-        for pos, index in enumerate(indices):
+        # file -> (its ranges: flat, or a list per row when by_rows; its rows)
+        groups: dict[int, tuple[list, list[tuple[int, Any, list, int, int]]]] = {}
+        plan = self._flat_plan(columns)
+        general: Sequence[int] = range(len(indices))
+        if plan is not None and indices and min(indices) >= 0 and max(indices) < num_rows:
+            per_file, general, ready = flat_rows.walk_rows(plan, pages._pages, self._batch_layouts, self._starts,
+                                                           self._where, indices)
+            known += [(pos, item, None) for pos, item in ready]
+            for f, rows in per_file.items():
+                groups[f] = ([[(o, s) for o, s, _ in row[2]] for row in rows] if by_rows else
+                             [(o, s) for row in rows for o, s, _ in row[2]], rows)
+        for pos in general:
+            index = indices[pos]
             if not 0 <= index < num_rows:
                 cold.append(pos)  # `read` raises the error naming it
                 continue
@@ -420,20 +458,28 @@ class TableReader(Reader):
                     raise ValueError(f"a row was read without column {missing[0]!r}: read and encode the same columns")
                 where[it.names] = [it.names.index(n) for n in names]  # type: ignore[union-attr]
         for k, codec in enumerate(codecs):
-            nodes = [it.nodes[where[it.names][k]] for it in items]  # type: ignore[union-attr]
             try:
-                array = codec.build(nodes)
+                array = self._build(codec, items, [where[it.names][k] for it in items])  # type: ignore[union-attr]
                 array.validate(full=True)
             except (CorruptRow, pa.ArrowInvalid, ValueError) as exc:
                 raise self._bad_value(items, codec, exc) from None
             arrays.append(array)
         return to_ipc_payload(pa.RecordBatch.from_arrays(arrays, schema=schema))
 
+    def _build(self, codec: Codec, items: Sequence[Any], at: list[int]) -> pa.Array:
+        """The column of `codec` over `items` (each its value at index `at[i]`): from the
+        FlatRows' values directly when all are, else through Nodes (the general walk's)."""
+        column = self._flat_column(codec)
+        if column is not None and all(type(it) is flat_rows.FlatRow for it in items):
+            return flat_rows.build(column, [it.values[i] for it, i in zip(items, at)])
+        return codec.build([flat_rows.node(column, it.values[i]) if type(it) is flat_rows.FlatRow  # type: ignore[arg-type]
+                            else it.nodes[i] for it, i in zip(items, at)])
+
     def _bad_value(self, items: Sequence, codec: Codec, exc: Exception) -> SampleError:
         """The first row of a chunk whose column of `codec` is invalid (e.g. bad UTF-8), named."""
         for it in items:
             try:
-                codec.build([it.nodes[it.names.index(codec.path)]]).validate(full=True)
+                self._build(codec, [it], [it.names.index(codec.path)]).validate(full=True)
             except (CorruptRow, pa.ArrowInvalid, ValueError) as row_exc:
                 f, b, r = self._locate(it.index)
                 return SampleError(
