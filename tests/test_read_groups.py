@@ -171,40 +171,42 @@ def test_rows_the_cache_holds_come_from_memory_and_the_rest_from_storage_in_the_
     assert cache.stats.hits + cache.stats.misses == ROWS  # each row's one range, counted once
 
 
-def _rows(callback: Any, rows: list[list[tuple[int, int]]]) -> Any:
-    return native._Rows(None, callback, rows)  # type: ignore[arg-type]  # no loop: driven by hand
+def _rows(rows: list[list[tuple[int, int]]]) -> tuple[Any, list]:
+    calls: list = []
+    group = native._Rows(None, lambda *args: calls.append(args), rows)  # type: ignore[arg-type]  # no loop: by hand
+    return group, calls
 
 
 def test_the_rows_of_one_call_are_handed_over_as_each_completes_once_per_wake_up() -> None:
-    calls: list[list] = []
-    group = _rows(calls.append, [[(0, 1)], [(10, 1), (20, 1)], [(30, 1)], [(40, 1)]])
-    # One wake-up: row 2 lands whole, row 1 half: only row 2 is handed over, once.
+    group, calls = _rows([[(0, 1)], [(10, 1), (20, 1)], [(30, 1)], [(40, 1)]])
+    # One wake-up: row 2 lands whole, row 1 half: only row 2 is handed over; both ranges counted.
     assert group.land(2 * native._ROW_SPAN, b"c") is True
-    assert group.land(1 * native._ROW_SPAN + 1, b"B2") is False
+    assert group.land(1 * native._ROW_SPAN + 1, b"B2") is False  # already to be flushed
     group.flush()
-    assert calls == [[(2, [b"c"], None)]]
+    assert calls == [([(2, [b"c"], None)], 2, 0, 3)]  # (rows done, ranges landed, failed, bytes)
     # The next: row 1's other range, and a failed read of row 3; row 0 still out.
     assert group.land(1 * native._ROW_SPAN, b"B1") is True
-    assert group.land(3 * native._ROW_SPAN, -5) is False  # already to be flushed
+    assert group.land(3 * native._ROW_SPAN, -5) is False
     group.flush()
-    assert calls[1][0] == (1, [b"B1", b"B2"], None)  # its parts in the order asked
-    row, parts, err = calls[1][1]
+    done, ok, bad, nbytes = calls[1]
+    assert done[0] == (1, [b"B1", b"B2"], None) and (ok, bad, nbytes) == (1, 1, 2)  # its parts in the order asked
+    row, parts, err = done[1]
     assert (row, parts, type(err), err.errno) == (3, None, OSError, 5)
-    group.flush()  # a wake-up with nothing new: no call
-    assert len(calls) == 2
     assert group.land(0, b"a") is True
     group.flush()
-    assert calls[2] == [(0, [b"a"], None)]
-    assert sorted(r for call in calls for r, _, _ in call) == [0, 1, 2, 3]  # each row exactly once
+    assert calls[2] == ([(0, [b"a"], None)], 1, 0, 1)
+    assert sorted(r for call in calls for r, _, _ in call[0]) == [0, 1, 2, 3]  # each row exactly once
+    assert sum(c[1] + c[2] for c in calls) == 5  # and each range counted once
 
 
 def test_a_row_whose_first_range_failed_is_not_handed_over_again_when_its_others_land() -> None:
-    calls: list[list] = []
-    group = _rows(calls.append, [[(0, 1), (1, 1), (2, 1)]])
+    group, calls = _rows([[(0, 1), (1, 1), (2, 1)]])
     assert group.land(1, -5) is True
-    assert group.land(0, b"x") is False and group.land(2, b"y") is False
     group.flush()
-    assert [r for r, _, _ in calls[0]] == [0] and len(calls) == 1
+    assert group.land(0, b"x") is True and group.land(2, b"y") is False
+    group.flush()
+    # The row once, failed; its other ranges still counted as they land (the store's in-flight count)
+    assert [(len(c[0]), c[1], c[2]) for c in calls] == [(1, 0, 1), (0, 2, 0)] and calls[0][0][0][0] == 0
 
 
 def test_a_gated_mount_starts_a_groups_rows_one_by_one_at_its_gate(tmp_path: Path) -> None:

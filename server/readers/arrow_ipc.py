@@ -377,12 +377,21 @@ class TableReader(Reader):
     def _rows_landed(self, f: int, rows: list, done, landed: list) -> None:
         """Some of a group's rows are in (`Store.submit_rows`): each one's item, or the error naming it."""
         results: list[tuple[int, Any, BaseException | None]] = []
+        flat = flat_rows.FlatRow
         for k, parts, err in landed:
             pos, item, fetch, b, r = rows[k]
             if err is not None:
                 results.append((pos, None, SampleError(f"{self._row_name(item.index, f, b, r)}: cannot read: {err}",
                                                        item.index, self.path)))
                 continue
+            if type(item) is flat and len(parts) == 1:  # a flat row of one range: the common case, inline
+                part = parts[0]
+                _, size, column = fetch[0]
+                if len(part) == size:
+                    item.values[column] = part
+                    item.nbytes += size
+                    results.append((pos, item, None))
+                    continue
             error = self._fill(item, fetch, parts, f, b, r)
             results.append((pos, None, error) if error is not None else (pos, item, None))
         done(results)

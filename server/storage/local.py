@@ -688,34 +688,29 @@ class LocalStore(Store):
             watch.started(n, time.monotonic())
         gate = self._gate_of(path)
 
-        def counted(done: list[tuple[int, list[bytes] | None, BaseException | None]]) -> None:
-            k = nbytes = failed = 0
-            for row, parts, err in done:
-                if err is None:
-                    k += len(parts)  # type: ignore[arg-type]
-                    nbytes += sum(map(len, parts))  # type: ignore[arg-type]
-                else:
-                    failed += len(rows[row])  # its ranges that did land are not handed over
+        def counted(done: list[tuple[int, list[bytes] | None, BaseException | None]], ok: int, bad: int,
+                    nbytes: int) -> None:
             if gate is not None:
-                gate.release(k + failed)
-            stats.finished(nbytes, k, ok=True)
-            if failed:
-                stats.finished(0, failed, ok=False)
+                gate.release(ok + bad)
+            stats.finished(nbytes, ok, ok=True)
+            if bad:
+                stats.finished(0, bad, ok=False)
             if watch is not None:
-                self._landed(path, watch, k + failed)
-            callback(done)
+                self._landed(path, watch, ok + bad)
+            if done:
+                callback(done)
 
         def start(which: Sequence[int]) -> None:
             mapping, direct = self._maps.get(path), self._direct.get(path)
             self.path_reads["mmap" if mapping is not None else "direct" if direct is not None else "pread"] += sum(
                 len(rows[r]) for r in which)
             landed = counted if len(which) == len(rows) else (
-                lambda done: counted([(which[k], parts, err) for k, parts, err in done]))
+                lambda done, *counts: counted([(which[k], parts, err) for k, parts, err in done], *counts))
             try:
                 self.native.pread_rows(self._pread_fd(path), path,  # type: ignore[union-attr]
                                        rows if landed is counted else [rows[r] for r in which], landed, mapping, direct)
             except BaseException as e:  # noqa: BLE001  # it could not start: its caller hears of every row
-                counted([(r, None, e) for r in which])
+                counted([(r, None, e) for r in which], 0, sum(len(rows[r]) for r in which), 0)
 
         if gate is None:
             start(range(len(rows)))

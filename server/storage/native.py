@@ -208,11 +208,14 @@ class NativeReadPool:
         direct: DirectFile | None = None,
     ) -> None:
         """Read every range of `rows` (each a row's list of ranges) as `pread_ranges` does,
-        all at once, but hand rows over as they complete: at each wake-up of the loop,
-        `callback([(row, parts, None) | (row, None, error), ...])` once with the rows whose
-        last range landed since the last call. Why: where reads do not land together (slow
-        storage), a group's rows each go on at their own read's pace, while the loop's
-        Python is paid per wake-up, not per row (server/stream/read_groups.py)."""
+        all at once, but hand rows over as they complete: at each wake-up of the loop where
+        some of its ranges landed, `callback(done, ok, failed, nbytes)` once: `done`, the
+        rows whose last range landed (or whose first failed) since the last call, each
+        `(row, parts, None)` or `(row, None, error)`; then how many ranges landed, how many
+        failed and their bytes (every range counted once, a failed row's later ones too).
+        Why: where reads do not land together (slow storage), a group's rows each go on at
+        their own read's pace, while the loop's Python is paid per wake-up, not per row
+        (server/stream/read_groups.py)."""
         group = _Rows(self._watch(), callback, rows)
         futures, pool = self._futures, self._pool
         for r, ranges in enumerate(rows):
@@ -289,46 +292,60 @@ _ROW_SPAN = 1 << 16
 
 class _Rows:
     """The rows of one `pread_rows` call: each row's parts as they land; the rows that
-    completed since the last `flush` handed over together."""
+    completed since the last `flush`, and the ranges that landed, handed over together."""
 
-    __slots__ = ("loop", "callback", "parts", "left", "done", "queued")
+    __slots__ = ("loop", "callback", "rows", "left", "parts", "single", "done", "ok", "bad", "nbytes", "queued")
 
     def __init__(self, loop: asyncio.AbstractEventLoop, callback: Callable, rows: Sequence[Sequence[Any]]):
-        if any(len(r) >= _ROW_SPAN for r in rows):
+        longest = max(map(len, rows), default=0)
+        if longest >= _ROW_SPAN:
             raise ValueError(f"a row of more than {_ROW_SPAN - 1} ranges")
         self.loop = loop
         self.callback = callback
-        self.parts: list[list[bytes | None] | None] = [[None] * len(r) for r in rows]
-        self.left = [len(r) for r in rows]
+        self.rows = rows
+        self.left = list(map(len, rows))  # ranges still out per row; 0 once handed over
+        self.parts: dict[int, list[bytes | None]] = {}  # rows of several ranges, some landed
+        self.single = longest == 1  # every row one range: the common case, no parts lists
         self.done: list[tuple[int, list[bytes] | None, OSError | None]] = []
+        self.ok = self.bad = self.nbytes = 0  # ranges landed since the last flush (a failed row's too)
         self.queued = False  # in the current drain's list of groups to flush
 
     def land(self, key: int, value: bytes | int) -> bool:
         """One range landed; True when this group must be flushed after the drain (the
-        first row it completes since the last flush)."""
-        row, j = divmod(key, _ROW_SPAN)
-        parts = self.parts[row]
-        if parts is None:
-            return False  # the row failed at an earlier range: it was handed over then
-        if isinstance(value, int):
-            self.parts[row] = None
-            self.done.append((row, None, OSError(-value, os.strerror(-value))))
+        first range it got since the last flush)."""
+        if type(value) is int:
+            self.bad += 1
         else:
-            parts[j] = value
-            self.left[row] -= 1
-            if self.left[row]:
-                return False
-            self.parts[row] = None
-            self.done.append((row, parts, None))  # type: ignore[arg-type]
+            self.ok += 1
+            self.nbytes += len(value)
+        row, j = divmod(key, _ROW_SPAN)
+        left = self.left[row]
+        if left > 0:  # else its row failed at an earlier range and was handed over then
+            if type(value) is int:
+                self.left[row] = 0
+                self.parts.pop(row, None)
+                self.done.append((row, None, OSError(-value, os.strerror(-value))))
+            elif self.single:
+                self.left[row] = 0
+                self.done.append((row, [value], None))
+            else:
+                parts = self.parts.get(row)
+                if parts is None:
+                    parts = self.parts[row] = [None] * len(self.rows[row])
+                parts[j] = value
+                self.left[row] = left - 1
+                if left == 1:
+                    del self.parts[row]
+                    self.done.append((row, parts, None))  # type: ignore[arg-type]
         if self.queued:
             return False
         self.queued = True
         return True
 
     def flush(self) -> None:
-        done, self.done, self.queued = self.done, [], False
-        if done:
-            self.callback(done)
+        done, ok, bad, nbytes = self.done, self.ok, self.bad, self.nbytes
+        self.done, self.ok, self.bad, self.nbytes, self.queued = [], 0, 0, 0, False
+        self.callback(done, ok, bad, nbytes)
 
 
 def _land_elsewhere(group: "_Group | _Rows | _Call", i: int, value: Any) -> None:
