@@ -403,11 +403,23 @@ class TableReader(Reader):
                                           self.path)) for pos, item, _, b, r in rows])
             return
         results: list[tuple[int, Any, BaseException | None]] = []
+        flat = flat_rows.FlatRow
         at = 0
         for pos, item, fetch, b, r in rows:
             n = len(fetch)
-            error = self._fill(item, fetch, parts[at:at + n] if n > 1 else (parts[at],), f, b, r)  # type: ignore[index]
-            at += n
+            if n == 1:
+                part = parts[at]  # type: ignore[index]
+                at += 1
+                _, size, column = fetch[0]
+                if type(item) is flat and len(part) == size:  # a flat row of one range: the common case, inline
+                    item.values[column] = part
+                    item.nbytes += size
+                    results.append((pos, item, None))
+                    continue
+                error = self._fill(item, fetch, (part,), f, b, r)
+            else:
+                error = self._fill(item, fetch, parts[at:at + n], f, b, r)  # type: ignore[index]
+                at += n
             results.append((pos, None, error) if error is not None else (pos, item, None))
         done(results)
 
