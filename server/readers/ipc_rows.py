@@ -16,7 +16,9 @@ null, booleans, fixed-width types (ints, floats, decimals, dates, times, timesta
 durations, fixed-size binary), binary/string and their large variants, lists, large
 lists, fixed-size lists, maps and structs, nested in any way. Anything else (dictionary
 encoding, unions, view types, run-end encoding, compressed buffers) is served by
-reading whole record batches (arrow_ipc.WholeBatches).
+reading whole record batches (arrow_ipc.WholeBatches). Rows of columns one level deep
+usually take a shorter path, without Walk or Node objects (flat_rows.py); this walk is
+theirs when their batch has nulls or their pages are missing, and everyone else's.
 """
 
 from __future__ import annotations
