@@ -54,7 +54,15 @@ class Crossings:
     def __init__(self, store: Store):
         self.calls = self.ranges = 0  # submit_ranges
         self.row_calls = self.row_ranges = self.handovers = self.rows_back = 0  # submit_rows
-        ranges_inner, rows_inner = store.submit_ranges, store.submit_rows
+        self.held_calls = self.held_ranges = 0  # held_ranges that answered
+        ranges_inner, rows_inner, held_inner = store.submit_ranges, store.submit_rows, store.held_ranges
+
+        def held(path: str, ranges: Any) -> Any:
+            parts = held_inner(path, ranges)
+            if parts is not None:
+                self.held_calls += 1
+                self.held_ranges += len(ranges)
+            return parts
 
         def counted(path: str, ranges: Any, callback: Any) -> bool:
             self.calls += 1
@@ -73,6 +81,7 @@ class Crossings:
 
         store.submit_ranges = counted  # type: ignore[method-assign]
         store.submit_rows = by_rows  # type: ignore[method-assign]
+        store.held_ranges = held  # type: ignore[method-assign]
 
 
 async def _stream(path: Path, shared: bool, store: Store | None = None) -> tuple[list, Crossings]:
@@ -138,8 +147,8 @@ def test_a_table_on_a_fuse_mount_is_read_in_groups_whose_rows_are_handed_over_as
 
 
 def test_a_table_the_server_cache_holds_whole_is_read_in_groups_even_on_a_fuse_mount(tmp_path: Path) -> None:
-    # Later epochs of data that fits the cache: every read lands from memory at once, so the
-    # per-row Python a group saves is worth saving there too (bench/results/cpu_per_sample.md).
+    # Later epochs of data that fits the cache: every read is in memory, so a group's rows
+    # are taken from it at once, with no completion to wait for (bench/results/cpu_per_sample.md).
     (tmp_path / "src").mkdir()
     _table(tmp_path / "src" / "t.arrow")
     with latencyfs.mounted(tmp_path / "src", median_ms=0, distribution="fixed") as fs:
@@ -150,8 +159,9 @@ def test_a_table_the_server_cache_holds_whole_is_read_in_groups_even_on_a_fuse_m
         finally:
             store.close()
     _check_exactly_once(got)
-    assert crossings.ranges == ROWS
-    assert crossings.calls == (ROWS // BATCH_SIZE) * math.ceil(BATCH_SIZE / READ_GROUP)
+    # Each group's ranges taken from memory in one call, nothing submitted to wait for
+    assert crossings.held_ranges == ROWS and crossings.held_calls == GROUPS
+    assert crossings.calls == crossings.row_calls == 0
     assert cache.stats.misses == 0 and cache.stats.hits >= ROWS  # and every row from memory
 
 

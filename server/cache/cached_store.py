@@ -68,6 +68,16 @@ class CachedStore(ForwardingStore):
         key = self._keys.get(path)
         return key is not None and self.cache.whole_in_memory(key)
 
+    def held_ranges(self, path: str, ranges: Sequence[Range]) -> list[bytes] | None:
+        key = self._keys.get(path)
+        if key is None or not self.cache.memory.resident:
+            return None
+        parts = self._lookup(key, ranges)
+        if None in parts:
+            return None
+        self._count(parts)
+        return parts  # type: ignore[return-value]
+
     def key_of(self, path: str) -> FileKey | None:
         """The cached version of a pinned file (None: not pinned, read straight through)."""
         return self._keys.get(path)

@@ -291,6 +291,13 @@ class Store(abc.ABC):
         reads land at once, as a local file's do (readers then read in groups)."""
         return False
 
+    def held_ranges(self, path: str, ranges: Sequence[Range]) -> list[bytes] | None:
+        """The bytes of `ranges` of `path` right now, without a callback, when this store's
+        memory holds every one of them (counted as `read_ranges` would count them); else
+        None, and nothing counted. Why: once a table is held in memory, a group's reads
+        need no completion at all (readers/arrow_ipc.py)."""
+        return None
+
     def submit_version(self, path: str, callback: "Callable[[FileVersion | None], None]") -> bool:
         """`version` the same way: `callback(version or None)` on the loop. False: await `version`."""
         return False
