@@ -50,5 +50,30 @@ class PendingChunk:
         self.items.append(item)
         self.nbytes += nbytes
 
+    def take(self, arrivals: list, t: int, limits: FetchLimits) -> int:
+        """`add` arrivals[t], arrivals[t + 1], ... ((ref, item, nbytes, error) each) until
+        the chunk is full or they run out: the index of the first not taken. The first
+        error met is raised, the arrivals before it taken. One call per run of samples, not
+        two per sample (the shared epoch's subscribers take every sample this way)."""
+        refs, items = self.refs, self.items
+        if not refs and t < len(arrivals):
+            self.deadline = time.monotonic() + limits.flush_delay_s
+        most_samples, most_bytes, urgent = limits.chunk_samples, limits.chunk_bytes, self.urgent
+        nbytes, n = self.nbytes, len(arrivals)
+        try:
+            while t < n:
+                ref, item, size, err = arrivals[t]
+                if err is not None:
+                    raise err
+                t += 1
+                refs.append(ref)
+                items.append(item)
+                nbytes += size
+                if len(refs) >= most_samples or nbytes >= most_bytes or urgent:
+                    break
+        finally:
+            self.nbytes = nbytes
+        return t
+
     def full(self, limits: FetchLimits) -> bool:
         return len(self.refs) >= limits.chunk_samples or self.nbytes >= limits.chunk_bytes or self.urgent

@@ -566,14 +566,7 @@ class Subscriber:
             if t < len(arrivals):
                 if t == 0:
                     self.unsent[b] = rec.size
-                while t < len(arrivals):
-                    ref, item, nbytes, err = arrivals[t]
-                    if err is not None:
-                        raise err
-                    t += 1
-                    pending.add(ref, item, nbytes, limits.flush_delay_s)
-                    if pending.full(limits):
-                        break
+                t = pending.take(arrivals, t, limits)
                 self.taken[b] = t
                 if t > rec.lead:  # the furthest stream took these: they no longer count as unread-ahead
                     epoch.lead_bytes += sum(a[2] for a in arrivals[rec.lead:t])
