@@ -132,14 +132,41 @@ def test_a_shared_epoch_reads_its_rows_in_groups_too(tmp_path: Path) -> None:
 GROUPS = (ROWS // BATCH_SIZE) * math.ceil(BATCH_SIZE / READ_GROUP)
 
 
-def test_a_table_on_a_fuse_mount_is_read_in_groups_whose_rows_are_handed_over_as_they_land(tmp_path: Path) -> None:
+def _on_fuse(tmp_path: Path, make_store: Any = None, inside: Any = None, **mount: Any) -> tuple[list, Crossings]:
+    """The table on a latencyfs mount (`mount`: its options, fixed 0 ms by default) streamed
+    by a shared epoch through `make_store(path)` (a LocalStore by default); `inside(store,
+    path)` runs before the store closes."""
     (tmp_path / "src").mkdir()
     _table(tmp_path / "src" / "t.arrow")
+    with latencyfs.mounted(tmp_path / "src", **(mount or {"median_ms": 0, "distribution": "fixed"})) as fs:
+        path = fs.path / "t.arrow"
+        store = make_store(str(path)) if make_store is not None else None
+        try:
+            got, crossings = asyncio.run(_stream(path, shared=True, store=store))
+            if inside is not None:
+                inside(store, str(path))
+        finally:
+            if store is not None:
+                store.close()
+    _check_exactly_once(got)
+    return got, crossings
+
+
+def _cached(fill: str) -> Any:
+    caches: list[BlockCache] = []
+
+    def make(_path: str) -> CachedStore:
+        caches.append(BlockCache(CacheSizes(memory_bytes=64 << 20, fill=fill)))
+        return CachedStore(LocalStore(io_threads=16), caches[-1], "t")
+
+    make.caches = caches  # type: ignore[attr-defined]
+    return make
+
+
+def test_a_table_on_a_fuse_mount_is_read_in_groups_whose_rows_are_handed_over_as_they_land(tmp_path: Path) -> None:
     # Reads of 2-15 ms each (lognormal): a group's 32 land over several wake-ups of the loop,
     # even on a busy machine (with 1 ms a loaded loop once took whole groups in one).
-    with latencyfs.mounted(tmp_path / "src", median_ms=5, sigma=0.5) as fs:
-        got, crossings = asyncio.run(_stream(fs.path / "t.arrow", shared=True))
-    _check_exactly_once(got)
+    _, crossings = _on_fuse(tmp_path, median_ms=5, sigma=0.5)
     assert crossings.calls == 0  # never as one group landing at once
     assert crossings.row_calls == GROUPS and crossings.row_ranges == ROWS  # one call per group, no row twice
     assert crossings.rows_back == ROWS  # every row handed over once...
@@ -149,35 +176,24 @@ def test_a_table_on_a_fuse_mount_is_read_in_groups_whose_rows_are_handed_over_as
 def test_a_table_the_server_cache_holds_whole_is_read_in_groups_even_on_a_fuse_mount(tmp_path: Path) -> None:
     # Later epochs of data that fits the cache: every read is in memory, so a group's rows
     # are taken from it at once, with no completion to wait for (bench/results/cpu_per_sample.md).
-    (tmp_path / "src").mkdir()
-    _table(tmp_path / "src" / "t.arrow")
-    with latencyfs.mounted(tmp_path / "src", median_ms=0, distribution="fixed") as fs:
-        cache = BlockCache(CacheSizes(memory_bytes=64 << 20, fill="always"))  # the whole file, filled
-        store = CachedStore(LocalStore(io_threads=16), cache, "t")
-        try:
-            got, crossings = asyncio.run(_stream(fs.path / "t.arrow", shared=True, store=store))
-        finally:
-            store.close()
-    _check_exactly_once(got)
+    make = _cached("always")  # the whole file, filled
+    _, crossings = _on_fuse(tmp_path, make)
     # Each group's ranges taken from memory in one call, nothing submitted to wait for
     assert crossings.held_ranges == ROWS and crossings.held_calls == GROUPS
     assert crossings.calls == crossings.row_calls == 0
+    (cache,) = make.caches
     assert cache.stats.misses == 0 and cache.stats.hits >= ROWS  # and every row from memory
 
 
 def test_rows_the_cache_holds_come_from_memory_and_the_rest_from_storage_in_the_same_groups(tmp_path: Path) -> None:
-    (tmp_path / "src").mkdir()
-    _table(tmp_path / "src" / "t.arrow")
-    with latencyfs.mounted(tmp_path / "src", median_ms=0, distribution="fixed") as fs:
-        cache = BlockCache(CacheSizes(memory_bytes=64 << 20, fill="never"))  # blocks admitted only as rows are read
-        store = CachedStore(LocalStore(io_threads=16), cache, "t")
-        try:
-            got, crossings = asyncio.run(_stream(fs.path / "t.arrow", shared=True, store=store))
-            assert not store.held_in_memory(str(fs.path / "t.arrow"))
-        finally:
-            store.close()
-    _check_exactly_once(got)
+    make = _cached("never")  # blocks admitted only as rows are read
+
+    def not_held(store: Any, path: str) -> None:
+        assert not store.held_in_memory(path)
+
+    _, crossings = _on_fuse(tmp_path, make, not_held)
     assert crossings.calls == 0 and crossings.row_calls == GROUPS and crossings.rows_back == ROWS
+    (cache,) = make.caches
     assert cache.stats.hits + cache.stats.misses == ROWS  # each row's one range, counted once
 
 
@@ -222,17 +238,16 @@ def test_a_row_whose_first_range_failed_is_not_handed_over_again_when_its_others
 def test_a_gated_mount_starts_a_groups_rows_one_by_one_at_its_gate(tmp_path: Path) -> None:
     # A group would pass the gate as one call of 32 reads, past a limit of 2 or 4: each of
     # its rows waits its turn instead, and all are still handed over, each once.
-    (tmp_path / "src").mkdir()
-    _table(tmp_path / "src" / "t.arrow")
-    with latencyfs.mounted(tmp_path / "src", median_ms=0, distribution="fixed") as fs:
+    gates: list[ReadGate] = []
+
+    def gated(path: str) -> LocalStore:
         store = LocalStore(io_threads=16)
-        path = str(fs.path / "t.arrow")
         store.pin(path)
-        gate = store._gates[os.stat(path).st_dev] = ReadGate(2)
-        try:
-            got, crossings = asyncio.run(_stream(fs.path / "t.arrow", shared=True, store=store))
-        finally:
-            store.close()
-    _check_exactly_once(got)
+        gates.append(ReadGate(2))
+        store._gates[os.stat(path).st_dev] = gates[-1]
+        return store
+
+    _, crossings = _on_fuse(tmp_path, gated)
+    (gate,) = gates
     assert crossings.row_calls == GROUPS and crossings.rows_back == ROWS
     assert gate.peak == 2 and gate.in_flight == 0 and gate.queued >= ROWS - GROUPS * 2
