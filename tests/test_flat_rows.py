@@ -200,3 +200,14 @@ def test_flat_build_and_node_agree_with_the_general_build(large: bool) -> None:
         flat = flat_rows.build(col, values[name])
         general = col.codec.build([flat_rows.node(col, v) for v in values[name]])
         assert flat.equals(general) and flat.equals(t.column(name).combine_chunks())
+
+
+def test_a_table_wider_than_the_native_walk_takes_is_walked_in_python_with_the_same_bytes(tmp_path: Path) -> None:
+    width = flat_rows.NATIVE_MAX_COLUMNS + 6
+    t = pa.table({f"c{k}": pa.array([i * width + k for i in range(N)], pa.int32()) for k in range(width)}
+                 | {"text": pa.array([f"row {i}" for i in range(N)], pa.string())})
+    _write(tmp_path / "wide.arrow", [t])
+    indices = [int(i) for i in np.random.default_rng(5).integers(0, N, 200)]
+    by_groups, general, items = _both_ways(tmp_path / "wide.arrow", indices)
+    assert by_groups.equals(general) and by_groups.equals(t.take(indices))
+    assert all(type(it) is flat_rows.FlatRow for it in items)

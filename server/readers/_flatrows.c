@@ -4,7 +4,7 @@
  * page, then the value bytes from a cached page or a range to read) was the largest part
  * of the server's CPU per row, in Python even without objects per column (about 3-4 us a
  * row of two columns). Here a group crosses into C once: walk_rows does what
- * flat_rows._walk_rows_py does, step for step, and returns the same structures, so the
+ * flat_rows.walk_rows_py does, step for step, and returns the same structures, so the
  * Python stays the reference (tests run both on the same rows).
  *
  * walk_rows(columns, page_map, batches, starts, where, indices, flat_row, names)
@@ -73,7 +73,10 @@ static PyObject *walk_rows(PyObject *self, PyObject *args) {
                           &PyTuple_Type, &names))
         return NULL;
     Py_ssize_t ncols = PyTuple_GET_SIZE(cols_obj);
-    if (ncols > 64) { PyErr_SetString(PyExc_ValueError, "more than 64 columns"); return NULL; }
+    if (ncols > 64) {  /* flat_rows.NATIVE_MAX_COLUMNS: wider selections walk in Python */
+        PyErr_SetString(PyExc_ValueError, "more than 64 columns");
+        return NULL;
+    }
     Column cols[64];
     for (Py_ssize_t c = 0; c < ncols; c++) {
         PyObject *t = PyTuple_GET_ITEM(cols_obj, c);

@@ -36,6 +36,10 @@ try:  # optional: an install without a C compiler walks in Python (walk_rows_py)
 except ImportError:  # pragma: no cover - built by the package's install
     _native = None
 
+#: The most selected columns the native walk takes (its column table is on the C stack);
+#: wider selections walk in Python.
+NATIVE_MAX_COLUMNS = 64
+
 #: What a column is: fixed-width values, binary/string values, or a list of fixed-width values.
 FIXED, BYTES, LIST = 0, 1, 2
 
@@ -99,7 +103,7 @@ def walk_rows(p: Plan, page_map: dict, batches: list[list[BatchLayout]], starts:
     the row's range reads as (absolute offset, size, column), in column order; the
     FlatRow's value there is None until `fill` puts the bytes in. In one native call
     where it is built (_flatrows.c), else in `walk_rows_py`, which it follows step for step."""
-    if _native is not None:
+    if _native is not None and len(p.spec) <= NATIVE_MAX_COLUMNS:
         return _native.walk_rows(p.spec, page_map, batches, starts, where, indices, FlatRow, p.names)
     return walk_rows_py(p, page_map, batches, starts, where, indices)
 
