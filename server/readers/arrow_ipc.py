@@ -272,6 +272,10 @@ class TableReader(Reader):
         """Hand each fetched range to its node (a FlatRow: its value); the error of a short
         read (truncated file)."""
         if type(item) is flat_rows.FlatRow:
+            if len(parts) == 1 and len(parts[0]) == fetch[0][1]:  # one range, whole: the common case, inline
+                item.values[fetch[0][2]] = parts[0]
+                item.nbytes += len(parts[0])
+                return None
             short = flat_rows.fill(item, fetch, parts)
             if short is None:
                 return None
@@ -385,21 +389,12 @@ class TableReader(Reader):
     def _rows_landed(self, f: int, rows: list, done, landed: list) -> None:
         """Some of a group's rows are in (`Store.submit_rows`): each one's item, or the error naming it."""
         results: list[tuple[int, Any, BaseException | None]] = []
-        flat = flat_rows.FlatRow
         for k, parts, err in landed:
             pos, item, fetch, b, r = rows[k]
             if err is not None:
                 results.append((pos, None, SampleError(f"{self._row_name(item.index, f, b, r)}: cannot read: {err}",
                                                        item.index, self.path)))
                 continue
-            if type(item) is flat and len(parts) == 1:  # a flat row of one range: the common case, inline
-                part = parts[0]
-                _, size, column = fetch[0]
-                if len(part) == size:
-                    item.values[column] = part
-                    item.nbytes += size
-                    results.append((pos, item, None))
-                    continue
             error = self._fill(item, fetch, parts, f, b, r)
             results.append((pos, None, error) if error is not None else (pos, item, None))
         done(results)
@@ -411,23 +406,11 @@ class TableReader(Reader):
                                           self.path)) for pos, item, _, b, r in rows])
             return
         results: list[tuple[int, Any, BaseException | None]] = []
-        flat = flat_rows.FlatRow
         at = 0
         for pos, item, fetch, b, r in rows:
             n = len(fetch)
-            if n == 1:
-                part = parts[at]  # type: ignore[index]
-                at += 1
-                _, size, column = fetch[0]
-                if type(item) is flat and len(part) == size:  # a flat row of one range: the common case, inline
-                    item.values[column] = part
-                    item.nbytes += size
-                    results.append((pos, item, None))
-                    continue
-                error = self._fill(item, fetch, (part,), f, b, r)
-            else:
-                error = self._fill(item, fetch, parts[at:at + n], f, b, r)  # type: ignore[index]
-                at += n
+            error = self._fill(item, fetch, parts[at:at + n] if n > 1 else (parts[at],), f, b, r)  # type: ignore[index]
+            at += n
             results.append((pos, None, error) if error is not None else (pos, item, None))
         done(results)
 

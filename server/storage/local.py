@@ -364,6 +364,16 @@ class LocalStore(Store):
         """The gate of the mount pinned file `path` lies on (None: no gate)."""
         return self._gates.get(self._dev_of.get(path, -1)) if self._gates else None
 
+    def _watch_of(self, path: str) -> readpath.Watch | None:
+        """The watch of the mount pinned file `path` lies on (None: not watched)."""
+        return self._watches.get(self._dev_of.get(path, -1)) if self._watches else None
+
+    def _read_path_of(self, path: str, n: int) -> tuple[Any, native.DirectFile | None]:
+        """`path`'s mapping or O_DIRECT file (both None: preads), `n` reads counted on that path."""
+        mapping, direct = self._maps.get(path), self._direct.get(path)
+        self.path_reads["mmap" if mapping is not None else "direct" if direct is not None else "pread"] += n
+        return mapping, direct
+
     def _pread_fd(self, path: str) -> int | None:
         """The descriptor a pread of `path` goes to: the next of its spread ones, else the pinned one."""
         spread = self._spread.get(path) if self._spread else None
@@ -554,7 +564,7 @@ class LocalStore(Store):
             fut = gate.run(lambda: self._native_read_by_path(path, offset, size))
         else:
             fut = self._native_read_by_path(path, offset, size)
-        watch = self._watches.get(self._dev_of.get(path, -1)) if self._watches else None
+        watch = self._watch_of(path)
         if watch is not None:
             watch.started(1, time.monotonic())
             fut.add_done_callback(lambda _f: self._landed(path, watch, 1))
@@ -636,7 +646,7 @@ class LocalStore(Store):
         n = len(ranges)
         stats = self.stats
         stats.started(n)
-        watch = self._watches.get(self._dev_of.get(path, -1)) if self._watches else None
+        watch = self._watch_of(path)
         if watch is not None:
             watch.started(n, time.monotonic())
 
@@ -683,7 +693,7 @@ class LocalStore(Store):
             return False
         stats = self.stats
         stats.started(n)
-        watch = self._watches.get(self._dev_of.get(path, -1)) if self._watches else None
+        watch = self._watch_of(path)
         if watch is not None:
             watch.started(n, time.monotonic())
         gate = self._gate_of(path)
@@ -701,9 +711,7 @@ class LocalStore(Store):
                 callback(done)
 
         def start(which: Sequence[int]) -> None:
-            mapping, direct = self._maps.get(path), self._direct.get(path)
-            self.path_reads["mmap" if mapping is not None else "direct" if direct is not None else "pread"] += sum(
-                len(rows[r]) for r in which)
+            mapping, direct = self._read_path_of(path, sum(len(rows[r]) for r in which))
             landed = counted if len(which) == len(rows) else (
                 lambda done, *counts: counted([(which[k], parts, err) for k, parts, err in done], *counts))
             try:
@@ -722,8 +730,7 @@ class LocalStore(Store):
     def _start_ranges(self, path: str, ranges: Sequence[Range], callback: Callable) -> None:
         """Reads of `ranges` of `path` on the native pool, by the file's read path."""
         assert self.native is not None
-        mapping, direct = self._maps.get(path), self._direct.get(path)
-        self.path_reads["mmap" if mapping is not None else "direct" if direct is not None else "pread"] += len(ranges)
+        mapping, direct = self._read_path_of(path, len(ranges))
         self.native.pread_ranges(self._pread_fd(path), path, ranges, callback, mapping, direct)
 
     def close(self) -> None:

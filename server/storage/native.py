@@ -243,7 +243,7 @@ class NativeReadPool:
                 if group.loop is not loop:  # another loop's read (tests share a store)
                     group.loop.call_soon_threadsafe(_land_elsewhere, group, i, value)
                 elif group.land(i, value):
-                    touched.append(group)  # rows completed: handed over after this drain
+                    touched.append(group)  # its first range since the last flush: flushed after this drain
             elif entry.get_loop() is not loop:
                 entry.get_loop().call_soon_threadsafe(_settle, entry, value)
             else:

@@ -11,8 +11,9 @@ How a group lands depends on the storage (`ArrowIPCReader.start_reads`). Where r
 land at once (files on a local block or memory file system, or every byte of them held in
 the server's memory cache: `Store.held_in_memory`, asked by the issuer at each batch, so a
 fill that ends mid-epoch switches) the group is one `submit_ranges` with one completion
-(held in memory: one `held_ranges`, complete before the reader returns); there the server is CPU-bound, and a group cut its CPU per text row about in half, with
-twice the rows/s (bench/results/cpu_per_sample.md). Elsewhere (a FUSE mount, reads of
+(held in memory: one `held_ranges`, complete before the reader returns); there the server
+is CPU-bound, and a group cut its CPU per text row about in half, with twice the rows/s
+(bench/results/cpu_per_sample.md). Elsewhere (a FUSE mount, reads of
 milliseconds) the group is one `submit_rows`: its reads start together, and each row is
 handed over as soon as its own read lands, those that landed since the loop last woke in
 one call. One completion per group (tried first) lost there: a group's slowest read held
