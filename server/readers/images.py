@@ -81,7 +81,7 @@ _MARKER = struct.Struct(">BBH")  # 0xFF, marker, segment length
 _U16 = struct.Struct(">H")
 
 
-def _jpeg_problem(data: bytes) -> str | None:
+def _jpeg_problem_py(data: bytes) -> str | None:
     """Walk the header segments to the start of scan: each has a length that fits, a
     frame header (SOF) gives a non-zero size, and an end-of-image marker follows the
     scan (about ten segments: a few microseconds, whatever the image's size)."""
@@ -115,6 +115,12 @@ def _jpeg_problem(data: bytes) -> str | None:
             sized = True
         i += 2 + length
     return "its header has too many segments (corrupt)"
+
+
+try:  # optional: an install without a C compiler walks in Python; the same messages either way
+    from ._imagecheck import jpeg_problem as _jpeg_problem
+except ImportError:  # pragma: no cover - built by the package's install
+    _jpeg_problem = _jpeg_problem_py
 
 
 def image_problem(data: bytes, fmt: str) -> str | None:
