@@ -117,11 +117,14 @@ class StorageStats:
                                     "Reads a mount completed at once in the probe (Little's law: rate x latency)",
                                     labels=["mount", "path"])
         reads = CounterMetricFamily("croupier_storage_path_reads", "Reads issued by each read path", labels=["path"])
+        inline = CounterMetricFamily("croupier_storage_inline_reads",
+                                     "Of the preads, those read on the loop from the page cache (RWF_NOWAIT)")
         limit = GaugeMetricFamily("croupier_storage_read_limit",
                                   "Reads a daemon-bound mount may have in flight at once (storage/gate.py)",
                                   labels=["mount"])
         waiting = GaugeMetricFamily("croupier_storage_reads_waiting",
                                     "Reads waiting in croupier for a daemon-bound mount's gate now", labels=["mount"])
+        inline_count = 0
         for store in self.stores:
             for choice in getattr(store, "read_paths", lambda: [])():
                 path.add_metric([choice.mount.point, choice.mount.fs_type, choice.path], 1)
@@ -129,10 +132,12 @@ class StorageStats:
                     ceiling.add_metric([choice.mount.point, name], value)
             for name, count in getattr(store, "path_reads", {}).items():
                 reads.add_metric([name], count)
+            inline_count += getattr(store, "inline_reads", 0)
             for point, gate in getattr(store, "gates", dict)().items():
                 limit.add_metric([point], gate.limit)
                 waiting.add_metric([point], gate.waiting)
-        yield from (path, ceiling, reads, limit, waiting)
+        inline.add_metric([], inline_count)
+        yield from (path, ceiling, reads, inline, limit, waiting)
 
 
 class CacheCollector:

@@ -18,6 +18,13 @@ CROUPIER_READ_PATH or `read_path=` forces one. The Python pool reads with preads
 A measured mount is watched from the store's own counters (readpath.Watch): when its path
 completes far fewer reads at once than are asked of it, it is probed again (on a thread
 of its own, at most once per `revisit_interval_s`) and switched, with a log line.
+
+On a local file system (ext4, xfs, tmpfs...), a group of ranges read by preads is first
+tried on the loop from the page cache alone (RWF_NOWAIT: it never waits for the disk, and
+answers "not cached" instead); only a group that is not all cached goes to the threads.
+A 1 KB read from the page cache is under a microsecond; through a thread it is a wake-up,
+an eventfd and a drain, several times that, and on 2 cores the woken thread takes the
+loop's core. FUSE refuses RWF_NOWAIT, so its reads stay on the threads.
 """
 
 from __future__ import annotations
@@ -43,6 +50,12 @@ from .iopool import IOPool
 log = logging.getLogger("croupier.server.storage")
 
 #: Open files kept at once; older unused ones are closed (stays well under ulimit -n).
+#: Set to 0 to read every range on the read threads, none on the loop (A/B measurements).
+INLINE_ENV = "CROUPIER_INLINE_READS"
+#: The most bytes one group reads on the loop from the page cache: a copy this size takes
+#: tens of microseconds, beyond which the loop would wait on memcpy a thread could do.
+INLINE_MAX_BYTES = 256 << 10
+
 DEFAULT_MAX_OPEN_FILES = 512
 
 
@@ -219,8 +232,12 @@ class LocalStore(Store):
         read_path: str | None = None,
         revisit_window_s: float = readpath.REVISIT_WINDOW_S,
         revisit_interval_s: float = readpath.REVISIT_INTERVAL_S,
+        inline_reads: bool | None = None,
     ):
         super().__init__()
+        #: Read ranges the page cache holds on the loop (RWF_NOWAIT) where the file system
+        #: takes it; from CROUPIER_INLINE_READS (default on) when None.
+        self.inline = (os.environ.get(INLINE_ENV, "1") != "0") if inline_reads is None else inline_reads
         #: "pread", "mmap" or "auto" (measure per mount); from CROUPIER_READ_PATH when None.
         self.read_path = readpath.resolve(read_path)
         self.io_threads = io_threads
@@ -240,6 +257,9 @@ class LocalStore(Store):
         self._mounts: dict[int, readpath.Choice] = {}  # st_dev -> its read path
         #: Reads issued by each path (counted on the event loop's thread).
         self.path_reads = {"pread": 0, "mmap": 0, "direct": 0}
+        #: Of those preads, the ones read on the loop from the page cache (`_read_inline`).
+        self.inline_reads = 0
+        self._inline: dict[str, int] = {}  # pinned path -> fd, on a local file system that may take inline reads
         self._revisit = (revisit_window_s, revisit_interval_s)
         self._dev_of: dict[str, int] = {}  # pinned path -> st_dev of its mount
         self._watches: dict[int, readpath.Watch] = {}  # st_dev -> its watch, for measured mounts
@@ -286,6 +306,9 @@ class LocalStore(Store):
             self._pinned[path] = fd
             self._pins[path] = 1
             self._dev_of[path] = os.fstat(fd).st_dev
+            if (self.inline and native.read_nowait is not None and self.native is not None and choice.path == "pread"
+                    and choice.mount.is_local and path not in self._spread):
+                self._inline[path] = fd
 
     def _spread_over(self, path: str, fd: int, handles: int) -> None:
         """Open `path` `handles - 1` more times (each its own handle in the FUSE daemon) and
@@ -502,6 +525,7 @@ class LocalStore(Store):
                 self._close_extra(path)
                 _close_retired(self._retired.pop(path, []))
                 self._dev_of.pop(path, None)
+                self._inline.pop(path, None)
                 os.close(self._pinned.pop(path))
 
     def url(self, path: str) -> str:
@@ -659,7 +683,8 @@ class LocalStore(Store):
         if self.native is not None:
             gate = self._gate_of(path)
             if gate is None:
-                self._start_ranges(path, ranges, counted)
+                if not (self._inline and self._read_inline(path, ranges, counted)):
+                    self._start_ranges(path, ranges, counted)
                 return True
 
             def released(parts: list[bytes] | None, err: BaseException | None) -> None:
@@ -725,6 +750,27 @@ class LocalStore(Store):
         else:  # each row waits its turn: a group would pass the gate as one, past its limit
             for r in range(len(rows)):
                 gate.submit(len(rows[r]), functools.partial(start, (r,)))
+        return True
+
+    def _read_inline(self, path: str, ranges: Sequence[Range], callback: Callable) -> bool:
+        """`ranges` of `path` read now on the loop where the page cache holds every one
+        (`native.read_nowait`), `callback` called soon on the loop; False where not (a page
+        missing, more than INLINE_MAX_BYTES, a file not taken inline). A file system that
+        refuses RWF_NOWAIT is not asked again for that file."""
+        fd = self._inline.get(path)
+        if fd is None:
+            return False
+        try:
+            parts = native.read_nowait(fd, ranges, INLINE_MAX_BYTES)  # type: ignore[misc]
+        except OSError as e:
+            log.debug("storage: %s: no reads from the page cache on the loop: %s", path, e)
+            self._inline.pop(path, None)
+            return False
+        if parts is None:
+            return False
+        self.path_reads["pread"] += len(ranges)
+        self.inline_reads += len(ranges)
+        asyncio.get_running_loop().call_soon(callback, parts, None)
         return True
 
     def _start_ranges(self, path: str, ranges: Sequence[Range], callback: Callable) -> None:

@@ -7,6 +7,10 @@ task or coroutine per read. Without the compiled extension (an
 install without a C compiler) `available()` is False and the store uses the Python
 pool (iopool.py) instead, or when CROUPIER_READ_POOL=python asks for it.
 
+Ranges the page cache holds may be read at once on the calling thread instead
+(`read_nowait`: RWF_NOWAIT, never waiting for storage; LocalStore does so on local file
+systems, where a hop to a thread and back costs several times the read).
+
 Three read paths on the same threads: a pread on an open file, a copy out of a
 read-only mapping of it (`Mapping`, `map_read`), whose page faults the thread takes
 (on FUSE a fault is a synchronous request, outside the mount's cap on background ones),
@@ -26,9 +30,9 @@ from typing import Any, NamedTuple
 from .base import FileVersion, StoreStats
 
 try:
-    from ._preadpool import Mapping, Pool as _NativePool, direct_alignment, measure
+    from ._preadpool import Mapping, Pool as _NativePool, direct_alignment, measure, read_nowait
 except ImportError:  # built without a compiler: the Python pool serves instead
-    _NativePool = Mapping = measure = direct_alignment = None  # type: ignore[assignment,misc]
+    _NativePool = Mapping = measure = direct_alignment = read_nowait = None  # type: ignore[assignment,misc]
 
 
 class DirectFile(NamedTuple):
