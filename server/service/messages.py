@@ -43,32 +43,29 @@ def header_to_proto(info: DatasetInfo, plan: EpochPlan, span: StreamRange) -> pb
 
 
 def chunk_to_proto(chunk: SampleChunk, epoch: int) -> pb.StreamEpochResponse:
+    # Built in place, field by field: `StreamEpochResponse(chunk=msg)` copies the whole chunk
+    # again (with upb, 570 us for a 256 KB table chunk against 25 in place), and
+    # `images.extend(pb.Image(...))` copies each image once more (494 us for 64 images
+    # against 54 with `images.add`): measured on this machine's protobuf 7.36 (upb).
     refs = chunk.refs
-    msg = pb.Chunk(
-        epoch=epoch,
-        batches=[r.batch for r in refs],
-        positions=[r.position for r in refs],
-        indices=[r.index for r in refs],
-        completed_batches=chunk.completed_batches,
-    )
+    response = pb.StreamEpochResponse()
+    msg = response.chunk
+    msg.SetInParent()  # the oneof says chunk even where every field is its default
+    msg.epoch = epoch
+    msg.batches.extend([r.batch for r in refs])
+    msg.positions.extend([r.position for r in refs])
+    msg.indices.extend([r.index for r in refs])
+    msg.completed_batches.extend(chunk.completed_batches)
     if any(r.padding for r in refs):
         msg.padding.extend([r.padding for r in refs])
     payload = chunk.payload
     if isinstance(payload, TablePayload):
         msg.arrow_ipc = payload.arrow_ipc
     elif isinstance(payload, ImagePayload):
-        msg.images.extend(
-            pb.Image(
-                data=im.data,
-                label=im.label,
-                format=im.format,
-                height=im.height,
-                width=im.width,
-                channels=im.channels,
-                key=im.key,
-            )
-            for im in payload.images
-        )
+        add = msg.images.add
+        for im in payload.images:
+            add(data=im.data, label=im.label, format=im.format, height=im.height, width=im.width, channels=im.channels,
+                key=im.key)
     else:  # a reader returned something the wire cannot carry: a bug, not bad input
         raise TypeError(f"unknown payload type {type(payload).__name__}")
-    return pb.StreamEpochResponse(chunk=msg)
+    return response
