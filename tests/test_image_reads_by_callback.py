@@ -254,3 +254,19 @@ def test_by_callback_a_cached_name_is_served_only_while_it_names_the_same_file_a
     else:  # all of a file or none: the first 9 or 10 files kept whole, the rest read again
         assert mine["after cold"][2] <= memory and mine["after cold"][2] in (sum(map(len, data[:k])) for k in (9, 10))
         assert mine["counts"][1] > 22
+
+
+def test_the_readers_paths_and_names_are_the_stores_own(tmp_path: Path) -> None:
+    # start_read joins by concatenation where the store's join and url agree with it (a local
+    # file system, however many stores forward to it): the same paths and names, key for key.
+    write_imagefolder(tmp_path / "imgs", 4, classes=("a", "b"))
+    for root in (str(tmp_path / "imgs"), str(tmp_path / "imgs") + "/"):
+        store = ConfinedStore(LocalStore(io_threads=2), [str(tmp_path)])
+        try:
+            reader = ImageFolderReader("d", root, store=store)
+            assert reader._prefix is not None and reader._url_is_path
+            for key in reader.keys:
+                path = store.join(root, key)
+                assert reader._path(key) == path and reader._where(path) == store.url(path)
+        finally:
+            store.close()
