@@ -7,8 +7,10 @@ refuses RWF_NOWAIT, and its files are not asked again. Real files, a real FUSE m
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import random
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -31,6 +33,17 @@ def data_file(tmp_path: Path) -> tuple[str, bytes]:
     f = tmp_path / "data.bin"
     f.write_bytes(payload)
     return str(f), payload
+
+
+@contextlib.contextmanager
+def _pinned(path: str) -> Iterator[LocalStore]:
+    """A store (its defaults) with `path` pinned, closed after."""
+    store = LocalStore(io_threads=8)
+    try:
+        store.pin(path)
+        yield store
+    finally:
+        store.close()
 
 
 def _submit(store: LocalStore, path: str, groups: list[list[tuple[int, int]]]) -> tuple[list[list[bytes]], list[str]]:
@@ -59,36 +72,29 @@ def _submit(store: LocalStore, path: str, groups: list[list[tuple[int, int]]]) -
 @needs_native
 def test_cached_groups_are_read_on_the_loop_with_no_thread(data_file: tuple[str, bytes]) -> None:
     path, payload = data_file
-    store = LocalStore(io_threads=8)
-    try:
-        store.pin(path)
-        rng = random.Random(1)
-        groups = [[(o, rng.randrange(1, 5000)) for o in rng.sample(range(FILE_BYTES - 5000), 32)] for _ in range(10)]
+    rng = random.Random(1)
+    groups = [[(o, rng.randrange(1, 5000)) for o in rng.sample(range(FILE_BYTES - 5000), 32)] for _ in range(10)]
+    with _pinned(path) as store:
         got, events = _submit(store, path, groups)
         assert got == [[payload[o:o + s] for o, s in g] for g in groups]
         # never inside the call: each callback on a later turn, after every call returned
         assert events == ["returned"] * 10 + ["landed"] * 10, events
         assert store.inline_reads == 320 and store.path_reads["pread"] == 320
         assert store.threads == 0  # no read thread was ever started
-        assert store.stats.reads == 320 and store.stats.in_flight == 0 and store.stats.bytes == sum(s for g in groups for _, s in g)
-    finally:
-        store.close()
+        assert store.stats.reads == 320 and store.stats.in_flight == 0
+        assert store.stats.bytes == sum(s for g in groups for _, s in g)
 
 
 @needs_native
 def test_groups_over_the_bound_or_past_the_end_go_to_the_threads(data_file: tuple[str, bytes]) -> None:
     path, payload = data_file
-    store = LocalStore(io_threads=8)
-    try:
-        store.pin(path)
-        big = [(0, local.INLINE_MAX_BYTES), (FILE_BYTES // 2, 1)]  # one byte over the bound in all
-        end = [(10, 100), (FILE_BYTES - 50, 100), (FILE_BYTES + 10, 5)]  # a short read, one past the end
+    big = [(0, local.INLINE_MAX_BYTES), (FILE_BYTES // 2, 1)]  # one byte over the bound in all
+    end = [(10, 100), (FILE_BYTES - 50, 100), (FILE_BYTES + 10, 5)]  # a short read, one past the end
+    with _pinned(path) as store:
         got, _ = _submit(store, path, [big, end])
         assert got == [[payload[:local.INLINE_MAX_BYTES], payload[FILE_BYTES // 2:FILE_BYTES // 2 + 1]],
                        [payload[10:110], payload[FILE_BYTES - 50:], b""]]
         assert store.inline_reads == 0 and store.path_reads["pread"] == 5 and store.threads >= 1
-    finally:
-        store.close()
 
 
 @needs_native
@@ -106,9 +112,7 @@ def test_a_group_with_a_page_out_of_the_cache_goes_to_the_threads(data_file: tup
             pass
     finally:
         os.close(fd)
-    store = LocalStore(io_threads=8)
-    try:
-        store.pin(path)
+    with _pinned(path) as store:
         warm = [(0, 100)]
         _submit(store, path, [warm])  # its page is read into the cache (by the threads, it was out)
         inline_before, pread_before = store.inline_reads, store.path_reads["pread"]
@@ -117,22 +121,16 @@ def test_a_group_with_a_page_out_of_the_cache_goes_to_the_threads(data_file: tup
         # the cached group inline; the one with a cold page all on the threads, none read twice
         assert store.inline_reads - inline_before == 1 and store.path_reads["pread"] - pread_before == 3
         assert store.threads >= 1
-    finally:
-        store.close()
 
 
 @needs_native
 def test_turned_off_every_read_goes_to_the_threads(data_file: tuple[str, bytes], monkeypatch) -> None:
     path, payload = data_file
     monkeypatch.setenv(local.INLINE_ENV, "0")
-    store = LocalStore(io_threads=8)
-    try:
-        store.pin(path)
+    with _pinned(path) as store:
         got, _ = _submit(store, path, [[(5, 10), (70_000, 3)]])
         assert got == [[payload[5:15], payload[70_000:70_003]]]
         assert store.inline_reads == 0 and store.threads >= 1
-    finally:
-        store.close()
 
 
 @needs_native
