@@ -84,11 +84,33 @@ class Crossings:
         store.held_ranges = held  # type: ignore[method-assign]
 
 
-async def _stream(path: Path, shared: bool, store: Store | None = None) -> tuple[list, Crossings]:
+async def _stream(path: Path, shared: bool, store: Store | None = None, cold: dict | None = None) -> tuple[list, Crossings]:
+    """An epoch of the table through a Dealer (`shared`: a shared epoch), every record batch's
+    structural pages cached first, unless `cold` is given: then none are, and `cold` gets
+    the reader's awaited reads ('reads'), its `warm` calls ('warms') and the page loads'
+    store calls ('page_loads')."""
     store = store if store is not None else LocalStore(io_threads=16)
     reader = ArrowIPCReader("t", str(path), store=store)
-    for first in range(0, ROWS, RECORD_BATCH):  # every record batch's structural pages cached: all rows warm
-        await reader.read(first)
+    if cold is None:
+        for first in range(0, ROWS, RECORD_BATCH):  # every record batch's structural pages cached: all rows warm
+            await reader.read(first)
+    else:
+        cold.update(reads=0, warms=0, page_loads=0)
+        read, warm, read_ranges = reader.read, reader.warm, store.read_ranges
+
+        async def counted_read(*a: Any) -> Any:
+            cold["reads"] += 1
+            return await read(*a)
+
+        async def counted_warm(*a: Any) -> None:
+            cold["warms"] += 1
+            await warm(*a)
+
+        async def counted_ranges(*a: Any) -> Any:
+            cold["page_loads"] += 1  # the reader awaits read_ranges for structural pages only
+            return await read_ranges(*a)
+
+        reader.read, reader.warm, store.read_ranges = counted_read, counted_warm, counted_ranges  # type: ignore[method-assign]
     if isinstance(store, CachedStore):  # the fill the first read started (if any), to its end
         assert await asyncio.to_thread(store.fill_done, 30)
         store.cache.stats.misses = 0  # the warming reads' misses: the stream's are counted
@@ -130,6 +152,23 @@ def test_a_shared_epoch_reads_its_rows_in_groups_too(tmp_path: Path) -> None:
 
 
 GROUPS = (ROWS // BATCH_SIZE) * math.ceil(BATCH_SIZE / READ_GROUP)
+
+
+def test_rows_whose_pages_are_not_cached_are_warmed_together_and_read_as_a_group(tmp_path: Path) -> None:
+    # Nothing cached at the start: a group's cold rows have their batches' structural pages
+    # loaded by one task (`Reader.warm`), each batch's once, and are then read as a group:
+    # no row takes the one-by-one path (its own task and `read`).
+    _table(tmp_path / "t.arrow")
+    for shared in (False, True):
+        cold: dict = {}
+        got, crossings = asyncio.run(_stream(tmp_path / "t.arrow", shared=shared, store=LocalStore(io_threads=16),
+                                             cold=cold))
+        _check_exactly_once(got)
+        assert cold["reads"] == 0, cold
+        assert 1 <= cold["warms"] <= GROUPS, cold
+        batches = math.ceil(ROWS / RECORD_BATCH)
+        assert cold["page_loads"] == batches, cold  # each record batch's pages loaded once, in one store call
+        assert crossings.ranges == ROWS and crossings.calls <= GROUPS + cold["warms"], (crossings.calls, cold)
 
 
 def _on_fuse(tmp_path: Path, make_store: Any = None, inside: Any = None, **mount: Any) -> tuple[list, Crossings]:

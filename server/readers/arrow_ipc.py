@@ -267,6 +267,36 @@ class TableReader(Reader):
                 raise error
         return item
 
+    @property
+    def warms(self) -> bool:  # type: ignore[override]
+        return bool(self._codecs)
+
+    async def warm(self, indices: Sequence[int], columns: Sequence[str]) -> None:
+        """The structural pages the rows `indices` lack, every batch's at once (as `read`
+        loads one row's): `start_reads` can then take them as a group. A row that fails
+        to walk, or pages that fail to load, are left to that row's `read` to name."""
+        _, codecs = self._codecs_of(columns)
+        for _ in range(_MAX_ROUNDS):
+            missing: dict[tuple[int, int], set] = {}
+            for index in indices:
+                if not 0 <= index < self.num_rows:
+                    continue
+                f, b, r = self._locate(index)
+                w = Walk(f, b, self.layouts[f].batches[b], self.pages)
+                try:
+                    for c in codecs:
+                        c.walk(w, r, r + 1)
+                except CorruptRow:
+                    continue
+                if w.missing:
+                    missing.setdefault((f, b), set()).update(w.missing)
+            if not missing:
+                return
+            loads = await asyncio.gather(*(self._load_pages(f, b, m) for (f, b), m in missing.items()),
+                                         return_exceptions=True)
+            if any(isinstance(x, BaseException) for x in loads):
+                return  # the rows' own reads retry and name the failure
+
     def _fill(self, item: RowItem | flat_rows.FlatRow, fetch: list, parts: Sequence[bytes], f: int, b: int,
               r: int) -> SampleError | None:
         """Hand each fetched range to its node (a FlatRow: its value); the error of a short

@@ -200,6 +200,15 @@ class Reader(abc.ABC):
         paid once per group, not once per sample; its samples complete together."""
         return range(len(indices))
 
+    #: True when `warm` can make rows `start_reads` left cold startable as a group.
+    warms: bool = False
+
+    async def warm(self, indices: Sequence[int], columns: Sequence[str]) -> None:
+        """Optional: load at once what `start_reads` lacked to start the rows `indices` it
+        left cold (a table's structural pages), so that the scheduler starts them again as
+        a group instead of one read each. Errors are left to each row's own `read`, which
+        names them (only where `warms`)."""
+
     def read_now(self, index: int) -> Any:
         """The item of `index` without awaiting: only for readers whose read does no I/O."""
         raise NotImplementedError(f"{type(self).__name__} reads do I/O: await read()")

@@ -103,16 +103,27 @@ def settle(refs: Sequence[SampleRef], results: Results, seconds: float, sizer: C
 
 def start(reader: Reader, columns: tuple[str, ...], refs: list[SampleRef], grouped: bool, timers: TimerWheel,
           tasks: set[asyncio.Task[None]], ctx: tuple[Any, ...], *, group_done: Callable[..., None],
-          fetch_after_wait: Callable[..., None], complete_read: Callable[..., None], read_one: Callable[..., Any]) -> None:
-    """Begin the reads of `refs`: as one group (`group_done(*ctx, refs, t0, results)`),
-    and those the reader did not start (or all, for a reader without groups) one by one,
-    the cheapest way it offers: a timer then a fetch (injected latency), a callback from
-    the store, or else a task awaiting `read_one(*ctx, ref, t0)`. `ctx` leads every
-    callback's arguments (a shared epoch's batch), so nothing is bound per call."""
-    t0 = time.perf_counter()
+          fetch_after_wait: Callable[..., None], complete_read: Callable[..., None], read_one: Callable[..., Any],
+          t0: float | None = None, warm: bool = True) -> None:
+    """Begin the reads of `refs`: as one group (`group_done(*ctx, refs, t0, results)`);
+    those the reader left cold, where it can warm them (`Reader.warms`: a table's missing
+    structural pages) and there are several, warmed together by one task and started again
+    as a group; the rest (or all, for a reader without groups) one by one, the cheapest
+    way it offers: a timer then a fetch (injected latency), a callback from the store, or
+    else a task awaiting `read_one(*ctx, ref, t0)`. `ctx` leads every callback's arguments
+    (a shared epoch's batch), so nothing is bound per call."""
+    if t0 is None:
+        t0 = time.perf_counter()
     cold: Sequence[int] = (reader.start_reads([r.index for r in refs], columns,
                                               functools.partial(group_done, *ctx, refs, t0))
                            if grouped else range(len(refs)))
+    if warm and grouped and len(cold) >= WARM_MIN and reader.warms:
+        later = [refs[p] for p in cold]
+        task = asyncio.get_running_loop().create_task(_warm_then_start(
+            reader, columns, later, timers, tasks, ctx, t0, group_done, fetch_after_wait, complete_read, read_one))
+        tasks.add(task)
+        task.add_done_callback(tasks.discard)
+        return
     for p in cold:
         ref = refs[p]
         later = reader.read_later(ref.index)
@@ -125,6 +136,26 @@ def start(reader: Reader, columns: tuple[str, ...], refs: list[SampleRef], group
             task = asyncio.get_running_loop().create_task(read_one(*ctx, ref, t0))
             tasks.add(task)
             task.add_done_callback(tasks.discard)
+
+
+#: Cold rows of a group warmed together (one task, their pages loaded at once) from this
+#: many on; one alone takes its own read's task, which loads the same pages.
+WARM_MIN = 2
+
+
+async def _warm_then_start(reader: Reader, columns: tuple[str, ...], refs: list[SampleRef], timers: TimerWheel,
+                           tasks: set[asyncio.Task[None]], ctx: tuple[Any, ...], t0: float, group_done: Callable[..., None],
+                           fetch_after_wait: Callable[..., None], complete_read: Callable[..., None],
+                           read_one: Callable[..., Any]) -> None:
+    """Cold rows of a group: what they lack loaded at once, then started as a group (those
+    still cold, one by one: their reads name what failed). One task for the lot, not one
+    per row; their latency counts from the group's start."""
+    try:
+        await reader.warm([r.index for r in refs], columns)
+    except Exception:  # noqa: BLE001  # each row's own read says what is wrong
+        pass
+    start(reader, columns, refs, True, timers, tasks, ctx, group_done=group_done, fetch_after_wait=fetch_after_wait,
+          complete_read=complete_read, read_one=read_one, t0=t0, warm=False)
 
 
 class GroupIssuer:
