@@ -49,13 +49,13 @@ from .iopool import IOPool
 
 log = logging.getLogger("croupier.server.storage")
 
-#: Open files kept at once; older unused ones are closed (stays well under ulimit -n).
 #: Set to 0 to read every range on the read threads, none on the loop (A/B measurements).
 INLINE_ENV = "CROUPIER_INLINE_READS"
 #: The most bytes one group reads on the loop from the page cache: a copy this size takes
 #: tens of microseconds, beyond which the loop would wait on memcpy a thread could do.
 INLINE_MAX_BYTES = 256 << 10
 
+#: Open files kept at once; older unused ones are closed (stays well under ulimit -n).
 DEFAULT_MAX_OPEN_FILES = 512
 
 
