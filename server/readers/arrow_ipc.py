@@ -243,12 +243,10 @@ class TableReader(Reader):
         if not self._codecs:
             return await self._read_whole(index)
         f, b, r = self._locate(index)
-        layout = self.layouts[f].batches[b]
         names, codecs = self._codecs_of(columns)
         for _ in range(_MAX_ROUNDS):
-            w = Walk(f, b, layout, self.pages)
             try:
-                nodes = [c.walk(w, r, r + 1) for c in codecs]
+                w, nodes = self._walk_row(f, b, r, codecs)
             except CorruptRow as exc:
                 raise SampleError(f"{self._row_name(index, f, b, r)}, column {exc.column!r}: {exc}", index, self.path) from None
             if not w.missing:
@@ -267,6 +265,13 @@ class TableReader(Reader):
                 raise error
         return item
 
+    def _walk_row(self, f: int, b: int, r: int, codecs: Sequence[Codec]) -> tuple[Walk, list]:
+        """Row `r` of record batch `b` of file `f` walked by the cached pages: the walk (its
+        missing pages, its range reads) and a node per column. `start_reads` walks the same
+        way inline, its loop's lookups hoisted."""
+        w = Walk(f, b, self.layouts[f].batches[b], self.pages)
+        return w, [c.walk(w, r, r + 1) for c in codecs]
+
     @property
     def warms(self) -> bool:  # type: ignore[override]
         return bool(self._codecs)
@@ -282,10 +287,8 @@ class TableReader(Reader):
                 if not 0 <= index < self.num_rows:
                     continue
                 f, b, r = self._locate(index)
-                w = Walk(f, b, self.layouts[f].batches[b], self.pages)
                 try:
-                    for c in codecs:
-                        c.walk(w, r, r + 1)
+                    w, _ = self._walk_row(f, b, r, codecs)
                 except CorruptRow:
                     continue
                 if w.missing:
