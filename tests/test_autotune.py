@@ -13,13 +13,15 @@ from __future__ import annotations
 import asyncio
 import collections
 import dataclasses
+import math
 import random
 import urllib.request
 
 import pyarrow as pa
 import pytest
 
-from croupier.server.stream.tuner import MIN_READS, PROBE_EVERY_S, START_READS, Autotuner, Phase, StreamTuner
+from croupier.server.stream.tuner import (AHEAD_BATCHES, AHEAD_LEAD, MIN_READS, PROBE_EVERY_S, SIBLING_LEAD,
+                                          SIBLING_SETTLED, START_READS, Autotuner, Phase, StreamTuner)
 from croupier.protocol.epoch_plan import EpochPlan
 from croupier.server.stream.dealer import Dealer
 from croupier.server.stream.fetch_limits import FetchLimits
@@ -401,6 +403,38 @@ def test_a_real_server_tunes_a_stream_up_and_shows_it(serve_inprocess, shared: b
     assert not st.running.service.autotuner.streams
 
 
+def test_a_real_server_tunes_the_ranks_of_one_job_as_siblings(serve_inprocess) -> None:
+    import threading
+
+    from croupier.client.loader import Loader
+    from croupier.server.config import LatencySpec
+
+    st = serve_inprocess(datasets=["rows=synthetic:4000:64"], latency=LatencySpec(median_ms=5.0, distribution="fixed"))
+    autotuner = st.running.service.autotuner
+    both_started = threading.Barrier(3, timeout=60)
+    seen: dict[int, list[int]] = {0: [], 1: []}
+
+    def rank(r: int) -> None:
+        with _closing(Loader("rows", servers=st.address, batch_size=50, rank=r, world_size=2, seed=7)) as loader:
+            for i, b in enumerate(loader.batches()):
+                seen[r] += b.indices[~b.padding].tolist()
+                if i == 0:
+                    both_started.wait()  # the main thread looks while both streams are open
+                    both_started.wait()
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    both_started.wait()
+    jobs = {k: sorted(t.name for t in v) for k, v in autotuner.jobs.items()}
+    both_started.wait()
+    for t in threads:
+        t.join(60)
+    assert jobs == {("rows", 7, 2, 50): ["shared 'rows' rank 0", "shared 'rows' rank 1"]}
+    assert autotuner.jobs == {}  # the ranks' streams ended: the job is gone
+    assert sorted(seen[0] + seen[1]) == list(range(4000))
+
+
 def test_no_autotune_serves_the_limits_as_given(serve_inprocess) -> None:
     from croupier.client.loader import Loader
 
@@ -512,3 +546,151 @@ def test_the_benchmark_judges_a_held_out_grid_point_on_its_fresh_rounds() -> Non
     assert (row["autotuned"], row["best_grid"]) == (95.0, 100.0)
     assert row["best_grid_rounds"] == [100.0, 104.0] and row["met"]
     assert row["paired_ratios"] == [0.95, 97.0 / 104.0]  # round by round, beside each other
+
+
+# ---- the ranks of one job ------------------------------------------------------------------
+
+def _sibling(server: Autotuner, clock: FakeClock, job, reads: int, held: bool = True) -> StreamTuner:
+    """A rank of `job` whose controller stands at `reads`, held back by it (or not), settled."""
+    t = server.stream(batch_size=64, clock=clock, cpu_clock=clock.thread_time, job=job, name="sibling")
+    t.settings = dataclasses.replace(t.settings, reads=reads)
+    t.held, t.decisions = held, SIBLING_SETTLED
+    return t
+
+
+def _queued(tuner: StreamTuner, clock: FakeClock, decisions: int, trace: list[int] | None = None) -> None:
+    """A client that takes all, reads of 20 ms for a first few periods, then 50 ms: they queue
+    behind other reads at the storage (another rank's), yet each one more in flight still adds
+    to the rate (its share of the queue)."""
+    start = tuner.decisions
+    periods = 0
+    while tuner.decisions - start < decisions:
+        latency = 0.02 if tuner.decisions < 3 else 0.05
+        n = max(1, round(tuner.settings.reads / latency * 0.05))
+        tuner.done, tuner.lat_sum, tuner.sent = tuner.done + n, tuner.lat_sum + latency * n, tuner.sent + n
+        tuner.sent_bytes += n * 1000
+        tuner.bound_hits += 10
+        tuner.starved_s += 0.025
+        clock.t += 0.05
+        clock.cpu += 0.015
+        tuner.maybe_decide()
+        if trace is not None:
+            trace.append(tuner.settings.reads)
+        periods += 1
+        assert periods < 20 * decisions
+
+
+def test_a_rank_whose_reads_queue_grows_no_further_than_the_lead_over_its_slowest_hungry_sibling() -> None:
+    clock = FakeClock()
+    server = Autotuner(FetchLimits(), max_reads=4096)
+    job = ("img", 0, 2, 64)
+    slow = _sibling(server, clock, job, reads=40)
+    slow.delivered = 10**9  # not behind: the lead, not the yield (next test)
+    a = server.stream(batch_size=64, clock=clock, cpu_clock=clock.thread_time, job=job, name="a")
+    other_clock = FakeClock()
+    other_job = server.stream(batch_size=64, clock=other_clock, cpu_clock=other_clock.thread_time,
+                              job=("img", 1, 2, 64))
+    trace: list[int] = []
+    _queued(a, clock, 40, trace)
+    _queued(other_job, other_clock, 40)
+    assert a.queued
+    assert max(trace) <= math.ceil(SIBLING_LEAD * 40) == 50
+    assert a.settings.reads == 50
+    assert other_job.settings.reads > 200  # another job's ranks are not its siblings
+    # reads that do not queue take nobody's share: the rank grows freely
+    free = _sibling(server, clock, job, reads=16)
+    run(free, clock, Model(0.02, 1e9), 20)
+    assert not free.queued and free.settings.reads > 200
+    free.close()
+    # a sibling whose bound no longer holds it back (its epoch's tail, a slow client) holds nobody back
+    slow.held = False
+    _queued(a, clock, 20)
+    assert a.settings.reads > 200
+    # nor does one that has not settled (a rank starting its next epoch at START_READS) ...
+    fresh = server.stream(batch_size=64, clock=clock, cpu_clock=clock.thread_time, job=job, name="fresh", epoch=1)
+    fresh.held = True
+    assert a.sibling_room() is None and a.ceiling() > 200
+    # ... until it has, and then the rank above the lead obeys at once
+    fresh.decisions = SIBLING_SETTLED
+    before = a.settings.reads
+    _queued(a, clock, 2)
+    assert a.settings.reads == math.ceil(SIBLING_LEAD * START_READS) < before
+    # a sibling probing its latency (its bound halved for a period) is seen at its bound before
+    fresh._probe_from = 64
+    assert a.sibling_room() == 80
+    # siblings that end leave the job
+    fresh.close()
+    slow.close()
+    assert a.sibling_room() is None and server.jobs[job] == {a}
+    a.close()
+    other_job.close()
+    assert server.jobs == {}
+
+
+def test_a_rank_ahead_of_its_slowest_sibling_yields_until_it_has_caught_up() -> None:
+    clock = FakeClock()
+    server = Autotuner(FetchLimits(), max_reads=4096)
+    job = ("img", 0, 2, 64)
+    behind = _sibling(server, clock, job, reads=40)
+    a = server.stream(batch_size=64, clock=clock, cpu_clock=clock.thread_time, job=job, name="a")
+    _queued(a, clock, 40)
+    assert a.delivered > behind.delivered + AHEAD_BATCHES * 64
+    assert a.settings.reads == math.ceil(AHEAD_LEAD * 40) == 32  # ahead: under the sibling's bound
+    behind.delivered = a.delivered  # caught up: back to the lead over it
+    assert a.sibling_room() == 50
+    # a rank in a later epoch is ahead whatever it has sent
+    behind.epoch, behind.delivered, a.epoch, a.delivered = 0, 10_000, 1, 0
+    assert a.sibling_room() == 32
+    behind.epoch = 1
+    assert a.sibling_room() == 50
+
+
+def _race(jobs: tuple, seed: int, periods: int = 400) -> list[StreamTuner]:
+    """Two ranks on one storage: 4,000 reads/s in all at 20 ms (80 reads in flight fill it);
+    past that reads queue, served in the order they came, so each rank's share of the rate
+    is its share of the reads in flight (a seeded +-20% draw a period). The second rank
+    starts 10 periods after the first. Returns both tuners, after `periods`."""
+    rng = random.Random(seed)
+    clocks = [FakeClock(), FakeClock()]
+    server = Autotuner(FetchLimits(), max_reads=4096)
+    ranks: list[StreamTuner] = []
+    for step in range(periods):
+        if step in (0, 10):
+            c = clocks[len(ranks)]
+            ranks.append(server.stream(batch_size=64, clock=c, cpu_clock=c.thread_time, job=jobs[len(ranks)]))
+        latency = max(0.02, sum(t.settings.reads for t in ranks) / 4000)
+        for t, c in zip(ranks, clocks):
+            n = max(1, round(t.settings.reads / latency * rng.uniform(0.8, 1.2) * 0.05))
+            t.done, t.lat_sum, t.sent, t.sent_bytes = t.done + n, t.lat_sum + latency * n, t.sent + n, t.sent_bytes + n * 1000
+            t.bound_hits += 10
+            t.starved_s += 0.025  # the client takes all: held back by the bound
+            c.t += 0.05
+            c.cpu += 0.015
+            t.maybe_decide()
+    return ranks
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_two_ranks_on_one_storage_deliver_alike(seed: int) -> None:
+    # Each rank's controller alone takes share from the other: growth that took the other's
+    # share pays, the other's growth then looks flat and it caps (through an rclone mount:
+    # 271 reads in flight against 30), and the job waits for its slowest rank.
+    apart = [t.delivered for t in _race((None, None), seed)]
+    together = [t.delivered for t in _race((("t", 0, 2, 64), ("t", 0, 2, 64)), seed)]
+    if seed == 1:
+        assert max(apart) > 4 * min(apart)
+    # the second rank started 10 periods late and caught up; the storage stayed as busy
+    assert abs(together[0] - together[1]) <= 0.03 * sum(together)
+    assert sum(together) >= 0.95 * sum(apart)
+
+
+def test_job_key_names_the_ranks_of_one_plan() -> None:
+    from croupier.server.stream.tuner import job_key
+
+    def plan(seed: int, world: int, epoch: int = 0) -> EpochPlan:
+        return EpochPlan(num_rows=1000, seed=seed, epoch=epoch, batch_size=64, world_size=world)
+
+    assert job_key("d", plan(0, 1)) is None
+    assert job_key("d", plan(0, 2)) == job_key("d", plan(0, 2, epoch=3))  # a rank an epoch ahead is a sibling
+    assert job_key("d", plan(0, 2)) != job_key("d", plan(1, 2))
+    assert job_key("d", plan(0, 2)) != job_key("e", plan(0, 2))

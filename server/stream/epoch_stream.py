@@ -24,7 +24,7 @@ from croupier.server.stream.rank_batches import StreamRange
 from croupier.server.stream.read_observer import FetchObserver, NoObserver
 from croupier.server.stream.sample_chunks import SampleChunk
 from croupier.server.stream.shared_epochs import DEFAULT_WINDOW_BYTES, SharedEpochs
-from croupier.server.stream.tuner import Autotuner, StreamTuner
+from croupier.server.stream.tuner import Autotuner, StreamTuner, job_key
 
 
 @dataclass
@@ -133,7 +133,9 @@ def open_epoch_stream(reader: Reader, options: StreamOptions, streams: ServerStr
     prefetch = options.prefetch or None  # 0: the server's choice
     tuner = None
     if streams.autotuner is not None and not options.ordered:
-        tuner = streams.autotuner.stream(batch_size=plan.batch_size, requested_prefetch=prefetch, name=name)
+        tuner = streams.autotuner.stream(batch_size=plan.batch_size, requested_prefetch=prefetch, name=name,
+                                         job=job_key(reader.name, plan), epoch=plan.epoch)
+        tuner.delivered = span.start_batch * plan.batch_size  # a rank resumed mid-epoch is that far into it
     try:
         dealer = Dealer(
             reader, plan, span, ordered=options.ordered, prefetch=prefetch, columns=options.columns,

@@ -50,7 +50,7 @@ from typing import Any
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from croupier.server.stream.tuner import Autotuner
+from croupier.server.stream.tuner import Autotuner, job_key
 from croupier.protocol.epoch_plan import EpochPlan
 from croupier.server.readers.base import Reader
 from croupier.server.readers.latency import TICK_S
@@ -160,8 +160,11 @@ class SharedEpoch(GroupIssuer):
         self.columns = columns
         #: The cursor's reads in flight and read-ahead, and the subscribers' chunk size and
         #: flush delay: the tuner's (one per shared epoch), else the server's limits.
-        self.tuner = (owner.autotuner.stream(batch_size=plan.batch_size, name=f"shared {reader.name!r} rank {rank}")
+        self.tuner = (owner.autotuner.stream(batch_size=plan.batch_size, name=f"shared {reader.name!r} rank {rank}",
+                                             job=job_key(reader.name, plan), epoch=plan.epoch)
                       if owner.autotuner is not None else None)
+        if self.tuner is not None:  # a rank resumed mid-epoch is that far into it
+            self.tuner.delivered = start_batch * plan.batch_size
         self.limits: FetchLimits = owner.limits if self.tuner is None else self.tuner.settings.apply(owner.limits)
         self.sizer = reader.item_sizer(columns)
         self.base = self.cursor = start_batch

@@ -40,6 +40,19 @@ in-flight bound, and the event loop's CPU time.
     sender starving and reads in flight (Little's law on completions) near the bound on
     average. Shrinking waits for three periods in a row that ask for under half the
     bound, and halves at most: a slow client frees memory without the setting hunting.
+* The ranks of one job (one dataset, seed, world size and batch size: `job_key`) share
+  their storage, and a trainer steps at its slowest rank. Each rank's controller alone
+  takes share from the others: growth that took another rank's share pays, the other's
+  growth then looks flat and it caps. Through an rclone mount one rank of two grew to 271
+  reads in flight while the other capped at 30; it read its 3,000 images in 15.5 s
+  against the other's 23.8, and its next epoch, started early, read what the slow rank had
+  not cached yet (678 images/s for an epoch otherwise served from memory at 20,000). So
+  while a rank's reads queue (slower than the storage's own latency: more of them would
+  only take share), its bound is at most SIBLING_LEAD times the lowest bound of its job's
+  hungry, settled ranks (held back by their bound, SIBLING_SETTLED decisions made), and
+  AHEAD_LEAD times it when it is AHEAD_BATCHES batches ahead of the slowest of them (or in
+  a later epoch), so that one catches up: at equal bounds a gap stays. The same run then
+  ended the ranks' cold epochs 0.2 s apart. A rank whose reads do not queue grows freely.
 * Read-ahead (prefetch, in batches) keeps twice the in-flight bound in the window, so a
   batch waiting on its slowest read does not drain the pipeline.
 * Chunk samples follow the drain rate (about CHUNK_TIME_S of samples per message, a
@@ -71,11 +84,12 @@ import logging
 import math
 import statistics
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from croupier.protocol.epoch_plan import EpochPlan
 from croupier.server.stream.fetch_limits import FetchLimits
 
 log = logging.getLogger("croupier.autotune")
@@ -118,6 +132,23 @@ MIN_CHUNK, MAX_CHUNK = 16, 1024
 FLUSH_MIN_S, FLUSH_MAX_S, FLUSH_WAITING_S = 0.001, 0.010, 0.002
 #: A stream's log line about its settings comes at most this often.
 LOG_EVERY_S = 2.0
+#: A rank grows its reads in flight to at most this times the lowest bound of its job's
+#: other ranks (`job_key`): one growth step (x1.5) past the slowest, so ranks climb together.
+SIBLING_LEAD = 1.25
+#: Decisions a rank makes before its bound holds its siblings back.
+SIBLING_SETTLED = 4
+#: A rank this many batches ahead of its slowest sibling (or in a later epoch) keeps to this
+#: share of that sibling's bound, so the slowest catches up (at an equal bound the gap stays).
+AHEAD_BATCHES = 2
+AHEAD_LEAD = 0.8
+
+
+def job_key(dataset: str, plan: EpochPlan) -> Hashable | None:
+    """The job a rank's stream belongs to (its siblings: the other ranks of one epoch plan
+    of `dataset`, whichever epoch they are in); None for a job of one rank."""
+    if plan.world_size <= 1:
+        return None
+    return (dataset, plan.seed, plan.world_size, plan.batch_size)
 
 
 @dataclass(frozen=True)
@@ -181,10 +212,15 @@ class StreamTuner:
 
     def __init__(self, server: "Autotuner", *, batch_size: int, requested_prefetch: int | None = None,
                  name: str = "", clock: Callable[[], float] = time.perf_counter,
-                 cpu_clock: Callable[[], float] = time.thread_time):
+                 cpu_clock: Callable[[], float] = time.thread_time, job: Hashable | None = None, epoch: int = 0):
         self.server = server
         self.batch_size = batch_size
         self.name = name
+        self.job = job  # `job_key`: the other ranks of its job bound its growth (None: alone)
+        #: Where this rank is in its job: the epoch, and the samples sent in it so far (at
+        #: the last decision): a rank ahead of its slowest sibling yields (`sibling_room`).
+        self.epoch = epoch
+        self.delivered = 0
         self.clock, self.cpu_clock = clock, cpu_clock
         # Counters the Dealer adds to (reset each period).
         self.done = 0
@@ -193,6 +229,11 @@ class StreamTuner:
         self.sent_bytes = 0
         self.starved_s = 0.0
         self.bound_hits = 0
+        #: The bound held the stream back in the last period (its siblings read it: `sibling_room`).
+        self.held = False
+        #: The last period's reads took longer than the storage's own latency: they queued
+        #: (in the storage, our pools, a busy CPU), so more of them would take share from others.
+        self.queued = False
         # Controller state.
         self.latency_s: float | None = None
         self.rate: float | None = None
@@ -261,7 +302,32 @@ class StreamTuner:
             top = min(top, max(MIN_READS, int(room // item)))
         if "default_prefetch" in self.pinned:
             top = min(top, (self.settings.prefetch + 1) * self.batch_size)
+        room = self.sibling_room()
+        if room is not None:
+            top = min(top, room)
         return max(1, min(top, self.server.max_reads))
+
+    def sibling_room(self) -> int | None:
+        """The most reads in flight this rank may have beside the other ranks of its job,
+        while its reads queue (reads that do not queue take nobody's share: served from
+        memory, or from storage with room to spare, it grows freely), that want more reads
+        than they have (their bound held them back last period: a rank near the end of its
+        epoch, or whose client is the slow side, holds nobody back) and have settled
+        (SIBLING_SETTLED decisions: nor does a rank just starting its next epoch at
+        START_READS); None when there are none."""
+        if not self.queued:
+            return None
+        hungry = [t for t in self.server.siblings(self) if t.held and t.decisions >= SIBLING_SETTLED]
+        if not hungry:
+            return None
+        slowest = min(hungry, key=lambda t: (t.epoch, t.delivered))
+        ahead = (self.epoch, self.delivered - AHEAD_BATCHES * self.batch_size) > (slowest.epoch, slowest.delivered)
+        low = min(t.steady_reads() for t in hungry)
+        return max(MIN_READS, math.ceil((AHEAD_LEAD if ahead else SIBLING_LEAD) * low))
+
+    def steady_reads(self) -> int:
+        """The bound as its siblings should see it: a latency probe's halving is not it."""
+        return self._probe_from if self._probe_from is not None else self.settings.reads
 
     def _prefetch_for(self, reads: int) -> int:
         return max(2, min(self.server.limits.max_prefetch, math.ceil(HEADROOM * reads / self.batch_size)))
@@ -300,6 +366,7 @@ class StreamTuner:
         # the completions) reads in flight near the bound on average, not in a burst.
         in_flight = self.done / elapsed * lat
         supply_bound = self.bound_hits > 0 and starved >= 0.05 and in_flight >= 0.6 * old.reads
+        self.held = supply_bound
         new = old
         if "max_reads_per_stream" not in self.pinned:
             new = dataclasses.replace(new, reads=self._reads(old.reads, rate, supply_bound, loop_busy, now))
@@ -316,6 +383,7 @@ class StreamTuner:
                       self.bound_hits, 100 * starved, 100 * loop_busy, self.cap, new.reads)
         self.decisions += 1
         self.server.decisions += 1
+        self.delivered += self.sent
         self.done = self.sent = self.sent_bytes = self.bound_hits = 0
         self.lat_sum = self.starved_s = 0.0
         self._t, self._cpu = now, cpu
@@ -347,7 +415,9 @@ class StreamTuner:
         (`Phase`). Filling and the end of a probe are not measured; every other period is
         (it joins the level, may start a probe, may lift or drop the cap), then growth is
         judged or Little's law tracked."""
-        m = _Measured(rate=rate, lat=self.latency_s or 0.0, base=self.base_latency(now), ceiling=self.ceiling(),
+        base = self.base_latency(now)
+        self.queued = self._period_lat > base * QUEUED_LATENCY
+        m = _Measured(rate=rate, lat=self.latency_s or 0.0, base=base, ceiling=self.ceiling(),
                       supply_bound=supply_bound, loop_busy=loop_busy, now=now)
         if self.phase is Phase.FILLING:
             self.phase = self._after_fill
@@ -550,6 +620,8 @@ class Autotuner:
         self.total_buffered_bytes = total_buffered_bytes
         self.pinned = pinned
         self.streams: set[StreamTuner] = set()
+        #: The tuned streams of each job of several ranks (`job_key`).
+        self.jobs: dict[Hashable, set[StreamTuner]] = {}
         #: The last streams that ended (their settings over time: tests, benchmarks).
         self.recent: collections.deque[StreamTuner] = collections.deque(maxlen=8)
         self.decisions = 0
@@ -561,24 +633,42 @@ class Autotuner:
 
     def stream(self, *, batch_size: int, requested_prefetch: int | None = None, name: str = "",
                clock: Callable[[], float] = time.perf_counter,
-               cpu_clock: Callable[[], float] = time.thread_time) -> StreamTuner:
+               cpu_clock: Callable[[], float] = time.thread_time, job: Hashable | None = None,
+               epoch: int = 0) -> StreamTuner:
         tuner = StreamTuner(self, batch_size=batch_size, requested_prefetch=requested_prefetch, name=name,
-                            clock=clock, cpu_clock=cpu_clock)
-        self.streams.add(tuner)
+                            clock=clock, cpu_clock=cpu_clock, job=job, epoch=epoch)
+        self.resume(tuner)
         return tuner
 
+    def siblings(self, tuner: StreamTuner) -> list[StreamTuner]:
+        """The other tuned streams of `tuner`'s job."""
+        if tuner.job is None:
+            return []
+        return [t for t in self.jobs.get(tuner.job, ()) if t is not tuner]
+
     def idle(self, tuner: StreamTuner) -> None:
-        """`tuner`'s stream is read for by a shared epoch's tuner for now: off the gauges
-        and the count of streams sharing --max-reads, until `resume`."""
+        """`tuner`'s stream is read for by a shared epoch's tuner for now: off the gauges,
+        the count of streams sharing --max-reads and its job's ranks, until `resume`."""
         self.streams.discard(tuner)
+        self._leave_job(tuner)
 
     def resume(self, tuner: StreamTuner) -> None:
         self.streams.add(tuner)
+        if tuner.job is not None:
+            self.jobs.setdefault(tuner.job, set()).add(tuner)
 
     def forget(self, tuner: StreamTuner) -> None:
+        self._leave_job(tuner)
         if tuner in self.streams:
             self.streams.discard(tuner)
             self.recent.append(tuner)
+
+    def _leave_job(self, tuner: StreamTuner) -> None:
+        ranks = self.jobs.get(tuner.job) if tuner.job is not None else None
+        if ranks is not None:
+            ranks.discard(tuner)
+            if not ranks:
+                del self.jobs[tuner.job]
 
     def collect(self):
         settings = [t.settings for t in list(self.streams)]
