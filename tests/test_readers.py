@@ -21,6 +21,7 @@ from croupier.server.readers import (
     open_dataset,
     resolve_under_roots,
 )
+from croupier.bench import latencyfs
 from croupier.server.readers import latency as latency_module
 from croupier.server.readers import webdataset as webdataset_module
 from croupier.server.readers.base import ImagePayload, TablePayload
@@ -328,6 +329,20 @@ def test_webdataset_index_beside_read_only_data_is_used_else_home_cache(
     assert len(open_dataset(tmp_path / "wds")) == 5 and scanned == ["shard-0000.tar"]
     assert list((tmp_path / "home" / ".cache" / "croupier" / "tar-index").glob("shard-0000.tar.*.idx.json"))
     assert not (tmp_path / "wds" / "shard-0000.tar.idx.json").exists()
+
+
+@pytest.mark.skipif(latencyfs.check_available() is not None, reason=f"latencyfs unusable here: {latencyfs.check_available()}")
+def test_webdataset_index_is_never_written_beside_shards_on_a_mount(tmp_path: Path, monkeypatch) -> None:
+    # A FUSE mount (a bucket through rclone or s3fs writes each file as PUTs into the bucket):
+    # the index goes to the home cache, and the shards' folder is left as it was.
+    write_webdataset(tmp_path / "wds", 5)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.setattr(webdataset_module.os, "access", lambda path, mode: True)  # a mount that takes writes
+    with latencyfs.mounted(tmp_path / "wds", median_ms=1, distribution="fixed") as fs:
+        assert len(open_dataset(fs.path)) == 5
+        assert not list(fs.path.glob("*.idx.json"))
+    assert not list((tmp_path / "wds").glob("*.idx.json"))
+    assert list((tmp_path / "home" / ".cache" / "croupier" / "tar-index").glob("shard-0000.tar.*.idx.json"))
 
 
 def _truncate(path: Path, keep: float) -> Path:

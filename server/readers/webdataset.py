@@ -15,7 +15,10 @@ label) is built once by scanning the tar headers and cached as JSON, stamped wit
 shard's size and mtime and rebuilt when either changes. It is looked up beside the
 shard (`<shard>.idx.json`, which lets a read-only dataset ship its index) and then in
 the cache folder; it is written to `cache_dir` when one is given, else beside the shard
-when that folder is writable, else under ~/.cache/croupier/tar-index.
+when that folder is writable and on a local file system, else under
+~/.cache/croupier/tar-index. Never beside shards on a FUSE or network mount: through a
+bucket mount (rclone, s3fs) each index written there was two PUTs and a DELETE into the
+user's bucket.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from pathlib import Path
 
 from ..storage import Store, default_local_store
 from ..storage.fileobj import open_store_file
+from ..storage.readpath import LOCAL_FILE_SYSTEMS, mount_of
 from .base import DatasetError, DatasetInfo, ImagePayload, Reader, dataset_files
 from .images import ImageItem, checked_format, image_payload, read_bytes
 from .tree_cache import write_json_atomic
@@ -134,9 +138,18 @@ def index_locations(shard: Path, cache_dir: str | os.PathLike | None) -> tuple[l
     base = Path(cache_dir) if cache_dir is not None else Path.home() / ".cache" / "croupier" / "tar-index"
     digest = hashlib.sha1(str(shard.resolve()).encode()).hexdigest()[:16]
     cached = base / f"{shard.name}.{digest}.idx.json"
-    if cache_dir is not None or not os.access(shard.parent, os.W_OK):
+    if cache_dir is not None or not os.access(shard.parent, os.W_OK) or not _on_local_fs(shard.parent):
         return [beside, cached], cached
     return [beside, cached], beside
+
+
+def _on_local_fs(folder: Path) -> bool:
+    """Whether `folder` lies on a local file system (readpath.LOCAL_FILE_SYSTEMS), where
+    an index beside the shards costs a local write, not a request to remote storage."""
+    try:
+        return mount_of(os.stat(folder).st_dev, str(folder)).fs_type in LOCAL_FILE_SYSTEMS
+    except OSError:
+        return False
 
 
 def _read_index(path: Path, stamp: dict[str, int]) -> ShardIndex | None:
