@@ -242,6 +242,49 @@ def test_croupier_mosaic_and_litdata_read_a_bucket_through_an_rclone_mount(tmp_p
     assert by["croupier"]["coverage"][0]["missed"] == 0
 
 
+def test_croupier_serves_the_images_from_tar_shards_as_a_row_of_its_own(tmp_path: Path) -> None:
+    # The shards variant: the same JPEGs from datagen's WebDataset shards, each id mapped through
+    # croupier's shard order; the offset index shipped beside the local shards, none through the mount.
+    from croupier.bench import latencyfs
+
+    if latencyfs.check_available():
+        pytest.skip(f"latencyfs not available ({latencyfs.check_available()})")
+    from croupier.bench.datagen import DataSpec
+    from croupier.bench.peers.suite import PeersSuite, run_peers
+    from croupier.bench.real import latency_fs
+
+    suite = PeersSuite(name="peers-test-shards", data=DataSpec(text_rows=64, images=96, shard_size=32),
+                       systems=("croupier",), conditions=(latency_fs(1.0),), datasets=("image",),
+                       epochs=2, workers=1, shards=4, variants=("default", "shards"), timeout_s=120)
+    rep = run_peers(suite, tmp_path / "out", tmp_path / "data", "pytest", say=lambda s: None)
+    assert rep["errors"] == []
+    by = {c["variant"]: c for c in rep["cases"]}
+    assert set(by) == {"default", "shards"}
+    for variant, case in by.items():
+        assert [e["complete"] for e in case["epochs"]] == [True, True], variant
+        assert case["coverage"] == [{"delivered": 96, "distinct": 96, "missed": 0, "repeats": 0}] * 2, variant
+    shards = sorted((tmp_path / "data").rglob("shard-*.tar"))
+    assert len(shards) == 3 and all(Path(f"{s}.idx.json").is_file() for s in shards)
+    md = (tmp_path / "out" / "peers-test-shards.md").read_text()
+    assert "images as WebDataset tar shards" in md
+
+
+def test_the_goal_holds_croupiers_tar_shards_row_to_the_same_peers() -> None:
+    from croupier.bench.peers import report
+
+    def row(system, variant, rate):
+        return {"system": system, "label": system, "variant": variant, "dataset": "image",
+                "condition": {"name": "fs"}, "epochs": [{"samples_per_s": rate, "complete": True}],
+                "quality": {"uniform": True}, "peak_local_disk_mb": 1.0}
+
+    rep = {"cases": [row("croupier", "default", 100.0), row("croupier", "shards", 400.0),
+                     row("mosaic", "default", 300.0)]}
+    goals = [(x["against"], x["croupier_variant"], x["met"]) for x in report.goal(rep)]
+    assert ("any peer", "default", False) in goals
+    assert ("any peer", "images as WebDataset tar shards", True) in goals
+    assert ("Mosaic's cold epoch", "images as WebDataset tar shards", True) in goals
+
+
 def test_the_goal_compares_croupier_with_the_uniform_peers_any_peer_and_the_small_cache() -> None:
     from croupier.bench.peers import report
 

@@ -61,7 +61,8 @@ LABELS = {"croupier": "croupier (unordered)", "mosaic": "Mosaic Streaming", "lit
           "tfdata": "tf.data service", "torchdata": "torchdata.nodes", "lance": "Lance",
           "dataloader-rs": "dataloader-rs", "grain": "Grain + ArrayRecord"}
 #: Variants each system has (croupier's cache10: its server's --cache-memory at 10% of the data).
-VARIANTS = {"croupier": ("default", "cache10", "resume"), "mosaic": ("default", "strongest", "cache10", "resume"),
+#: croupier's shards: the images as the WebDataset tar shards datagen wrote (its default reads the ImageFolder).
+VARIANTS = {"croupier": ("default", "cache10", "shards", "resume"), "mosaic": ("default", "strongest", "cache10", "resume"),
             "litdata": ("default", "strongest", "cache10", "resume"), "tfdata": ("default", "strongest"),
             "torchdata": ("default", "resume"), "lance": ("default", "loader"), "dataloader-rs": ("default",),
             "grain": ("default", "resume")}
@@ -172,7 +173,8 @@ def cache_targets(conditions: str = "both") -> PeersSuite:
     epoch (its rate is the part it ran)."""
     return PeersSuite(name="peers-cache" + ("" if conditions == "both" else f"-{conditions}"),
                       data=full().data, systems=("croupier", "mosaic", "litdata"),
-                      conditions=CACHE_CONDITIONS[conditions], variants=("default", "cache10"), cache10_epoch_s=30.0)
+                      conditions=CACHE_CONDITIONS[conditions], variants=("default", "cache10", "shards"),
+                      cache10_epoch_s=30.0)
 
 
 def resized(suite: PeersSuite, text_rows: int | None = None, images: int | None = None) -> PeersSuite:
@@ -258,9 +260,14 @@ class Ctx:
 OWN_FILES = ("croupier", "torchdata", "dataloader-rs")
 
 
-def _remote(st: Any, system: str, ds: str) -> str:
+def _own_files(ds: str, variant: str) -> str:
+    """The benchmark's own folder a system that needs no writer reads (BenchData.paths())."""
+    return "text" if ds == "text" else "shards" if variant == "shards" else "imagefolder"
+
+
+def _remote(st: Any, system: str, ds: str, variant: str = "default") -> str:
     if system in OWN_FILES:
-        return st.croupier_path("text" if ds == "text" else "imagefolder")
+        return st.croupier_path(_own_files(ds, variant))
     sub = f"peers/{system}-{ds}"
     if st.condition.key == "s3":
         from ..real import BUCKET
@@ -271,7 +278,7 @@ def _remote(st: Any, system: str, ds: str) -> str:
     return str(Path(st.fs.path) / sub)
 
 
-def _evict(st: Any, system: str, ds: str) -> None:
+def _evict(st: Any, system: str, ds: str, variant: str = "default") -> None:
     """Cold storage before every run: the latency FS drops the files' cached pages; a bucket
     mount is mounted afresh (no data kept by the client or the kernel)."""
     if st.condition.key in BUCKET_MOUNTS:
@@ -279,7 +286,7 @@ def _evict(st: Any, system: str, ds: str) -> None:
     elif st.condition.key != "fuse":
         return
     elif system in OWN_FILES:
-        st.before_case("text" if ds == "text" else "imagefolder")
+        st.before_case(_own_files(ds, variant))
     else:
         st.fs.evict([Path(st.fs.path) / "peers" / f"{system}-{ds}"])
 
@@ -307,6 +314,15 @@ def image_ids(data: BenchData) -> list[int]:
     return [int(Path(f).stem) for f in files]
 
 
+def shard_ids(data: BenchData) -> list[int]:
+    """croupier's WebDataset index over datagen's tar shards -> the image's id (its key), in croupier's
+    order (shards sorted, samples in tar order). Loading the index writes it beside the local shards,
+    as a deployment ships it: the server then reads it through the mount, not every shard whole."""
+    from croupier.server.readers.webdataset import load_index
+
+    return [int(key) for shard in sorted(data.shards.glob("*.tar")) for key, _, _ in load_index(shard)]
+
+
 def run_system(ctx: Ctx, st: Any, system: str, ds: str, variant: str, n: int, expected: np.ndarray | None) -> dict[str, Any]:
     s = ctx.suite
     run_dir = ctx.work / f"{system}-{ds}-{variant}-{st.condition.key}-{n}"
@@ -317,8 +333,8 @@ def run_system(ctx: Ctx, st: Any, system: str, ds: str, variant: str, n: int, ex
     rows = s.rows(ds)
     batches_per_rank = -(-rows // (s.batch * s.world))
     shm_before = _shm()
-    _evict(st, system, ds)  # first: a bucket mount's point is new once mounted afresh
-    job = Job(system=system, dataset=ds, remote=_remote(st, system, ds), local=str(local), world=s.world,
+    _evict(st, system, ds, variant)  # first: a bucket mount's point is new once mounted afresh
+    job = Job(system=system, dataset=ds, remote=_remote(st, system, ds, variant), local=str(local), world=s.world,
               batch=s.batch, epochs=epochs, workers=s.workers, shuffle=_shuffle_of(variant),
               cache_limit=int(total_bytes * s.cache_fraction) if variant == "cache10" else 0,
               state_path=str(run_dir / "state.json"), seed=s.seed,
@@ -338,12 +354,12 @@ def run_system(ctx: Ctx, st: Any, system: str, ds: str, variant: str, n: int, ex
         if system == "croupier":
             from ..cases import ServerProcess
 
-            name = "text" if ds == "text" else "imagefolder"
+            name = _own_files(ds, variant)
+            ids = (shard_ids(ctx.data) if variant == "shards" else image_ids(ctx.data)) if ds == "image" else []
             t = time.perf_counter()
-            server = ServerProcess([f"{name}={_remote(st, system, ds)}"], server_args(job), ctx.log)
+            server = ServerProcess([f"{name}={job.remote}"], server_args(job), ctx.log)
             rec["server_start_s"] = time.perf_counter() - t
-            job = replace(job, extra={"address": server.address, "dataset": name,
-                                      "ids": image_ids(ctx.data) if ds == "image" else []})
+            job = replace(job, extra={"address": server.address, "dataset": name, "ids": ids})
             watch.roots.append(server.pid)
         python = ctx.pythons[venv_of(system, st.condition.key)]
         rec["venv"] = venv_of(system, st.condition.key)
@@ -499,7 +515,7 @@ def planned(suite: PeersSuite, only: str = "") -> list[tuple[Condition, str, str
     """(condition, dataset, system, variant) of every case the suite runs, in order; `only` keeps those whose
     'dataset | storage | system | variant' contains it (the cases NOT_RUN names are in it, and reported skipped)."""
     plan = [(cond, ds, system, v) for cond in suite.conditions for ds in suite.datasets for system in suite.systems
-            for v in VARIANTS.get(system, ("default",)) if v in suite.variants]
+            for v in VARIANTS.get(system, ("default",)) if v in suite.variants and not (v == "shards" and ds == "text")]
     return [p for p in plan if not only or only in f"{p[1]} | {p[0].name} | {p[2]} | {p[3]}"]
 
 
