@@ -132,8 +132,8 @@ MIN_CHUNK, MAX_CHUNK = 16, 1024
 FLUSH_MIN_S, FLUSH_MAX_S, FLUSH_WAITING_S = 0.001, 0.010, 0.002
 #: A stream's log line about its settings comes at most this often.
 LOG_EVERY_S = 2.0
-#: A rank grows its reads in flight to at most this times the lowest bound of its job's
-#: other ranks (`job_key`): one growth step (x1.5) past the slowest, so ranks climb together.
+#: While its reads queue, a rank's reads in flight stay within this times the lowest bound of
+#: its job's other hungry ranks (`job_key`): ranks climb together, a step of 1.25x at a time.
 SIBLING_LEAD = 1.25
 #: Decisions a rank makes before its bound holds its siblings back.
 SIBLING_SETTLED = 4
