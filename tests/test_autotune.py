@@ -635,14 +635,30 @@ def test_a_rank_ahead_of_its_slowest_sibling_yields_until_it_has_caught_up() -> 
     a = server.stream(batch_size=64, clock=clock, cpu_clock=clock.thread_time, job=job, name="a")
     _queued(a, clock, 40)
     assert a.delivered > behind.delivered + AHEAD_BATCHES * 64
-    assert a.settings.reads == math.ceil(AHEAD_LEAD * 40) == 32  # ahead: under the sibling's bound
+    assert a.settings.reads == math.ceil(AHEAD_LEAD * 40) == 40  # ahead: no lead over the one behind
     behind.delivered = a.delivered  # caught up: back to the lead over it
     assert a.sibling_room() == 50
     # a rank in a later epoch is ahead whatever it has sent
     behind.epoch, behind.delivered, a.epoch, a.delivered = 0, 10_000, 1, 0
-    assert a.sibling_room() == 32
+    assert a.sibling_room() == 40
     behind.epoch = 1
     assert a.sibling_room() == 50
+
+
+def test_ranks_taking_turns_ahead_never_ratchet_each_other_down() -> None:
+    # Two hungry ranks at one bound, each ahead in turn (noise flips a gap of two batches):
+    # each may keep the other's bound, so the pair never walks down a step per turn.
+    clock = FakeClock()
+    server = Autotuner(FetchLimits(), max_reads=4096)
+    job = ("t", 0, 2, 64)
+    a, b = _sibling(server, clock, job, reads=40), _sibling(server, clock, job, reads=40)
+    a.queued = b.queued = True
+    for turn in range(20):
+        ahead, behind = (a, b) if turn % 2 else (b, a)
+        ahead.delivered = behind.delivered + 10 * 64
+        for t in (a, b):
+            t.settings = dataclasses.replace(t.settings, reads=min(t.settings.reads, t.ceiling()))
+    assert (a.settings.reads, b.settings.reads) == (40, 40)
 
 
 def _race(jobs: tuple, seed: int, periods: int = 400) -> list[StreamTuner]:

@@ -49,10 +49,12 @@ in-flight bound, and the event loop's CPU time.
   not cached yet (678 images/s for an epoch otherwise served from memory at 20,000). So
   while a rank's reads queue (slower than the storage's own latency: more of them would
   only take share), its bound is at most SIBLING_LEAD times the lowest bound of its job's
-  hungry, settled ranks (held back by their bound, SIBLING_SETTLED decisions made), and
-  AHEAD_LEAD times it when it is AHEAD_BATCHES batches ahead of the slowest of them (or in
-  a later epoch), so that one catches up: at equal bounds a gap stays. The same run then
-  ended the ranks' cold epochs 0.2 s apart. A rank whose reads do not queue grows freely.
+  hungry, settled ranks (held back by their bound, SIBLING_SETTLED decisions made), and at
+  most that bound (AHEAD_LEAD) when it is AHEAD_BATCHES batches ahead of the slowest of
+  them (or in a later epoch): the one behind may lead it by SIBLING_LEAD and catches up
+  (a share under 1, 0.8, let two ranks taking turns ahead ratchet each other down). The
+  same run then ended the ranks' cold epochs 0.2-0.8 s apart. A rank whose reads do not
+  queue grows freely.
 * Read-ahead (prefetch, in batches) keeps twice the in-flight bound in the window, so a
   batch waiting on its slowest read does not drain the pipeline.
 * Chunk samples follow the drain rate (about CHUNK_TIME_S of samples per message, a
@@ -138,9 +140,10 @@ SIBLING_LEAD = 1.25
 #: Decisions a rank makes before its bound holds its siblings back.
 SIBLING_SETTLED = 4
 #: A rank this many batches ahead of its slowest sibling (or in a later epoch) keeps to this
-#: share of that sibling's bound, so the slowest catches up (at an equal bound the gap stays).
+#: times that sibling's bound, which may lead it by SIBLING_LEAD and so catches up. Under 1
+#: two ranks taking turns ahead would ratchet each other down a step per turn.
 AHEAD_BATCHES = 2
-AHEAD_LEAD = 0.8
+AHEAD_LEAD = 1.0
 
 
 def job_key(dataset: str, plan: EpochPlan) -> Hashable | None:
