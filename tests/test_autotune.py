@@ -677,7 +677,8 @@ def _race(jobs: tuple, seed: int, periods: int = 400) -> list[StreamTuner]:
         latency = max(0.02, sum(t.settings.reads for t in ranks) / 4000)
         for t, c in zip(ranks, clocks):
             n = max(1, round(t.settings.reads / latency * rng.uniform(0.8, 1.2) * 0.05))
-            t.done, t.lat_sum, t.sent, t.sent_bytes = t.done + n, t.lat_sum + latency * n, t.sent + n, t.sent_bytes + n * 1000
+            t.done, t.lat_sum, t.sent = t.done + n, t.lat_sum + latency * n, t.sent + n
+            t.sent_bytes += n * 1000
             t.bound_hits += 10
             t.starved_s += 0.025  # the client takes all: held back by the bound
             c.t += 0.05
