@@ -132,15 +132,20 @@ def scan_shard(shard: str, store: Store | None = None) -> ShardIndex:
         raise DatasetError(f"tar shard {url} is corrupt or truncated{after}: {exc}") from exc
 
 
-def index_locations(shard: Path, cache_dir: str | os.PathLike | None) -> tuple[list[Path], Path]:
-    """Where the shard's index may be read from, in order, and where it is written."""
-    beside = shard.with_name(shard.name + ".idx.json")
-    base = Path(cache_dir) if cache_dir is not None else Path.home() / ".cache" / "croupier" / "tar-index"
+def _cache_folder(cache_dir: str | os.PathLike | None) -> Path:
+    return Path(cache_dir) if cache_dir is not None else Path.home() / ".cache" / "croupier" / "tar-index"
+
+
+def index_locations(shard: Path, cache_dir: str | os.PathLike | None) -> tuple[Path, Path]:
+    """Where the shard's index may be read from, in order: beside the shard, in the cache folder."""
     digest = hashlib.sha1(str(shard.resolve()).encode()).hexdigest()[:16]
-    cached = base / f"{shard.name}.{digest}.idx.json"
-    if cache_dir is not None or not os.access(shard.parent, os.W_OK) or not _on_local_fs(shard.parent):
-        return [beside, cached], cached
-    return [beside, cached], beside
+    return shard.with_name(shard.name + ".idx.json"), _cache_folder(cache_dir) / f"{shard.name}.{digest}.idx.json"
+
+
+def _writes_beside(shard: Path, cache_dir: str | os.PathLike | None) -> bool:
+    """Whether a scanned index goes beside the shard (else to the cache folder). Asked only
+    when one is written: an open that finds its indexes reads no mount table per shard."""
+    return cache_dir is None and os.access(shard.parent, os.W_OK) and _on_local_fs(shard.parent)
 
 
 def _on_local_fs(folder: Path) -> bool:
@@ -175,19 +180,19 @@ def load_index(shard: str | Path, cache_dir: str | os.PathLike | None = None, st
     if store.scheme != "file":
         url = store.url(str(shard))
         stamp: dict[str, int | str] = {"version": INDEX_VERSION, "size": store.size(str(shard)), "url": url}
-        base = Path(cache_dir) if cache_dir is not None else Path.home() / ".cache" / "croupier" / "tar-index"
-        target = base / f"{url.rsplit('/', 1)[-1]}.{hashlib.sha1(url.encode()).hexdigest()[:16]}.idx.json"
-        candidates = [target]
+        digest = hashlib.sha1(url.encode()).hexdigest()[:16]
+        beside, cached = None, _cache_folder(cache_dir) / f"{url.rsplit('/', 1)[-1]}.{digest}.idx.json"
     else:
         shard = Path(shard)
         st = shard.stat()
         stamp = {"version": INDEX_VERSION, "size": st.st_size, "mtime_ns": st.st_mtime_ns}
-        candidates, target = index_locations(shard, cache_dir)
-    for path in candidates:
-        samples = _read_index(path, stamp)  # type: ignore[arg-type]
+        beside, cached = index_locations(shard, cache_dir)
+    for path in (beside, cached):
+        samples = _read_index(path, stamp) if path is not None else None  # type: ignore[arg-type]
         if samples is not None:
             return samples
     samples = scan_shard(str(shard), store)
+    target = beside if beside is not None and _writes_beside(Path(shard), cache_dir) else cached
     _write_index(target, stamp, samples)  # type: ignore[arg-type]
     return samples
 
