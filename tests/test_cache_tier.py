@@ -393,6 +393,66 @@ def test_a_fill_reads_each_file_as_sequential_streams_on_descriptors_of_their_ow
 
 
 @needs_fuse
+@pytest.mark.parametrize("direct", ["1", "0"])
+def test_a_fill_on_a_fuse_mount_reads_each_block_as_one_o_direct_request(tmp_path: Path, monkeypatch, direct: str) -> None:
+    # On FUSE a buffered 1 MiB read reaches the daemon as several readahead requests, which
+    # the kernel caps per mount (12 background ones by default); the fill's O_DIRECT read of
+    # a block is one request of its size, and keeps no page-cache copy beside the cache's.
+    # latencyfs counts the requests and their sizes; CROUPIER_FILL_DIRECT=0 is the old way.
+    monkeypatch.setenv("CROUPIER_FILL_DIRECT", direct)
+    src = tmp_path / "src"
+    src.mkdir()
+    blobs = {"part-0.arrow": random.Random(3).randbytes(12 * BLOCK_BYTES + 777)}
+    (src / "part-0.arrow").write_bytes(blobs["part-0.arrow"])
+    with latencyfs.mounted(src, median_ms=0, distribution="fixed", max_background=latencyfs.KERNEL_DEFAULT) as fs:
+        store, paths = _pinned(fs, blobs, "always")
+        try:
+            fs.reset_stats()
+            store._start_fill()
+            assert store.fill_done(60)
+            stats = fs.stats()
+            assert store.held_in_memory(paths[0])
+            data = blobs["part-0.arrow"]
+            assert asyncio.run(store.read_ranges(paths[0], [(0, len(data))])) == [data]
+        finally:
+            store.close()
+    if direct == "1":
+        # 13 blocks, 13 requests (a 1 MiB one each, the last 777 bytes): nothing read twice,
+        # nothing read ahead
+        assert (stats["requests"], stats["bytes"], stats["max_request_bytes"]) == (13, len(data), BLOCK_BYTES), stats
+    else:
+        assert stats["requests"] > 13 and stats["max_request_bytes"] < BLOCK_BYTES, stats
+
+
+def test_a_direct_read_the_file_system_refuses_goes_on_buffered(tmp_path: Path) -> None:
+    # A file system may open a file O_DIRECT and then refuse a read for its alignment (ext4,
+    # xfs: EINVAL): the fill's read takes O_DIRECT off that descriptor and reads it buffered.
+    import fcntl
+
+    from croupier.server.cache.fill import _pread, open_for_fill
+
+    path = tmp_path / "f.bin"
+    data = random.Random(4).randbytes(3 * 4096 + 100)
+    path.write_bytes(data)
+    fd = open_for_fill(lambda p: os.open(p, os.O_RDONLY), str(path))
+    try:
+        if not fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT:
+            pytest.skip(f"{tmp_path}'s file system has no O_DIRECT")
+        assert _pread(fd, 4096, 8192) == data[4096:12288]  # aligned: stays direct
+        assert _pread(fd, 2 * 4096, 4196) == data[8192:]  # the end of the file: a short read
+        assert fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT
+        try:
+            os.pread(fd, 10, 3)
+            pytest.skip(f"{tmp_path}'s file system takes unaligned O_DIRECT reads")
+        except OSError:
+            pass
+        assert _pread(fd, 3, 5000) == data[3:5003]
+        assert not fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT
+    finally:
+        os.close(fd)
+
+
+@needs_fuse
 def test_a_fill_whose_trial_read_the_first_files_only_block_goes_on_to_the_next_file(tmp_path: Path, caplog) -> None:
     # The rule's trial reads a mount's first block; when that was a small file's only block,
     # the fill still goes on to the dataset's other files.

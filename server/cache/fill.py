@@ -11,8 +11,9 @@ block in 20 ms against 16 x 5.7 ms = 91 ms of small reads.
 
 Blocks are read by FILL_IN_FLIGHT sequential streams at once, on the cache's threads: a
 stream is a file (or, with fewer files than streams, a contiguous part of one), read block
-after block in order, one block in flight, through a descriptor of its own (the dataset's
-pinned one is marked for random access, and a mapped mount's faults are one page each),
+after block in order, one block in flight, through a descriptor of its own, O_DIRECT where
+the file system takes it (`open_for_fill`; the dataset's pinned one is marked for random
+access, and a mapped mount's faults are one page each),
 opened by the dataset's confined store so the fill reads only what the dataset may. Files
 start in the order the dataset opened them. Why streams and not several blocks of one file
 in flight: a FUSE client of an object store serves an open file's reads one at a time and
@@ -26,8 +27,11 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import errno
+import fcntl
 import logging
 import math
+import mmap
 import os
 import random
 import threading
@@ -47,6 +51,9 @@ REPLACED_READ_BYTES = 64 << 10
 FILL_MODES = ("auto", "always", "never")
 #: A file is cut into parts read as streams of their own only down to this many blocks.
 MIN_STREAM_BLOCKS = 8
+_PAGE = 4096
+#: CROUPIER_FILL_DIRECT=0 keeps the fill's reads buffered (default: O_DIRECT where accepted).
+DIRECT_ENV = "CROUPIER_FILL_DIRECT"
 
 
 @dataclass
@@ -73,7 +80,68 @@ def pays(block_s: float, l0_s: float, block_len: int = BLOCK_BYTES) -> bool:
     return block_s < max(1, block_len // REPLACED_READ_BYTES) * l0_s
 
 
+def open_for_fill(open_fd: Callable[[str], int], path: str) -> int:
+    """`path` opened for a fill's stream of large sequential reads: O_DIRECT where the file
+    system takes it (a block is one request, no page-cache copy beside the cache's own),
+    else buffered with sequential readahead. Why: on FUSE a buffered 1 MiB pread reaches the
+    daemon as several readahead requests, background ones the kernel caps per mount (12 by
+    default); an O_DIRECT one into an aligned buffer is a single 1 MiB request. Measured
+    through latencyfs at 5 ms with the kernel's defaults, 400 MB of text: buffered, 4
+    streams 302 MB/s and 8 streams 381 (1,610-1,658 requests, 0.2 s of the reader's CPU);
+    O_DIRECT, 4 streams 614 MB/s and 8 streams 1,084 (403 requests, 0.07 s). Through 20 ms
+    rclone and s3fs mounts of a bucket (4 streams) both ways made 270-330 MB/s."""
+    fd = open_fd(path)
+    if os.environ.get(DIRECT_ENV, "1") != "0" and hasattr(os, "O_DIRECT"):
+        try:
+            fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | os.O_DIRECT)
+            return fd
+        except OSError:  # EINVAL: the file system has no O_DIRECT
+            pass
+    if hasattr(os, "posix_fadvise"):
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+    return fd
+
+
+def _is_direct(fd: int) -> bool:
+    return hasattr(os, "O_DIRECT") and bool(fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT)
+
+
+def _buffered(fd: int) -> None:
+    """Take O_DIRECT off `fd`: a file system that opened it so but refuses this read."""
+    fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_DIRECT)
+
+
+_buffers = threading.local()
+
+
+def _pread_direct(fd: int, offset: int, size: int) -> bytes:
+    """An O_DIRECT read into this thread's page-aligned buffer, its length rounded up to a
+    page (file systems that check alignment want both; FUSE sends an unaligned 1 MiB read
+    as 2 requests, an aligned one as 1)."""
+    buf = getattr(_buffers, "buf", None)
+    if buf is None or len(buf) < size:
+        buf = _buffers.buf = mmap.mmap(-1, max(BLOCK_BYTES, -(-size // _PAGE) * _PAGE))
+    view = memoryview(buf)
+    try:
+        got = 0
+        while got < size:
+            n = os.preadv(fd, [view[got:-(-size // _PAGE) * _PAGE]], offset + got)
+            if not n:
+                break
+            got += n
+        return bytes(view[:min(got, size)])
+    finally:
+        view.release()
+
+
 def _pread(fd: int, offset: int, size: int) -> bytes:
+    if _is_direct(fd):
+        try:
+            return _pread_direct(fd, offset, size)
+        except OSError as e:
+            if e.errno != errno.EINVAL:
+                raise
+            _buffered(fd)
     parts, got = [], 0
     while got < size:
         chunk = os.pread(fd, size - got, offset + got)
@@ -90,7 +158,7 @@ def _small_read_latency(fd: int, size: int) -> float:
     offsets = random.Random(size).sample(range(pages), min(4, pages))
     t = time.perf_counter()
     for p in offsets:
-        os.pread(fd, 1024, p * 4096)
+        _pread(fd, p * 4096, 1024)
     return (time.perf_counter() - t) / len(offsets)
 
 
@@ -152,10 +220,8 @@ class DatasetFill:
         if decision is None:
             decision = self._decide(f, dev)
         if decision is None:
-            fd = self.source.open_fd(f.path)
+            fd = open_for_fill(self.source.open_fd, f.path)
             try:
-                if hasattr(os, "posix_fadvise"):
-                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
                 decision = self._trial(fd, f, blocks.pop(0), dev)
             finally:
                 os.close(fd)
@@ -184,9 +250,7 @@ class DatasetFill:
             if nxt is None:
                 return False
             f, blocks = nxt
-            fd = self.source.open_fd(f.path)
-            if hasattr(os, "posix_fadvise"):
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+            fd = open_for_fill(self.source.open_fd, f.path)
             submit(f, fd, collections.deque(blocks))
             return True
 
