@@ -137,6 +137,11 @@ def test_a_second_epoch_of_a_dataset_that_fits_reads_nothing_from_storage(tmp_pa
         assert metric['croupier_cache_resident_bytes{tier="memory"}'] == os.path.getsize(src / "t.arrow")
         # 3 epochs of 6,000 samples; the storage served the file about once (fill and cold reads)
         assert 0 < metric["croupier_cache_storage_bytes_per_sample"] < 2 * os.path.getsize(src / "t.arrow") / 18000
+        assert metric["croupier_cache_hit_ratio"] == cache.stats.hits / (cache.stats.hits + misses)
+        assert metric["croupier_cache_hit_ratio"] > 2 / 3  # epochs 2 and 3 all hits
+        # every block admitted once (the fill's, or a cold read's that fetched whole blocks), none dropped
+        assert metric['croupier_cache_fill_bytes_total{tier="memory"}'] == os.path.getsize(src / "t.arrow")
+        assert metric['croupier_cache_evictions_total{tier="memory"}'] == 0
 
 
 def test_partial_files_from_a_crash_are_ignored_and_a_bad_block_is_dropped_and_read_again(tmp_path: Path, caplog) -> None:
@@ -247,6 +252,43 @@ def test_the_disk_tier_never_outgrows_its_size(tmp_path: Path) -> None:
     assert asyncio.run(store.read_ranges(path, reads)) == [data[o:o + 100] for o, _ in reads]
     store.close()
     cache.close()
+
+
+def test_a_full_disk_tier_drops_blocks_no_open_dataset_reads_and_a_smaller_bound_trims_it_at_start(tmp_path: Path) -> None:
+    # Blocks of a dataset no longer open make room for one that is (a repeated job's files
+    # stay until then); a restart with a smaller --cache-size deletes down to it.
+    folder, bound = tmp_path / "c", int(3.5 * BLOCK_BYTES)
+
+    def on_disk() -> int:
+        return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
+
+    def filled(cache: BlockCache, name: str, seed: int) -> tuple[CachedStore, str, bytes]:
+        data = _data(tmp_path / name, 3, seed=seed)
+        store = CachedStore(LocalStore(io_threads=4), cache, name)
+        path = str(tmp_path / name)
+        store.pin(path)
+        asyncio.run(store.read(path, 0, 1))
+        assert store.fill_done(60)
+        return store, path, data
+
+    cache = BlockCache(CacheSizes(memory_bytes=0, disk_dir=str(folder), disk_bytes=bound, fill="always"))
+    first, _, _ = filled(cache, "a.bin", 1)
+    assert cache.disk is not None and cache.disk.filled == 3 * BLOCK_BYTES and cache.disk.evictions == 0
+    first.close()  # its blocks stay on disk, read by no open dataset
+    second, path, data = filled(cache, "b.bin", 2)
+    assert cache.disk.filled == 6 * BLOCK_BYTES and cache.disk.evictions >= 2  # a.bin's made the room
+    assert on_disk() == cache.disk.used <= bound
+    reads = [(b * BLOCK_BYTES + 7, 100) for b in range(3)]
+    before = second.inner.stats.reads
+    assert asyncio.run(second.read_ranges(path, reads)) == [data[o:o + 100] for o, _ in reads]
+    assert second.inner.stats.reads == before  # b.bin whole on disk: no read of storage
+    second.close()
+    cache.close()
+
+    smaller = int(1.5 * BLOCK_BYTES)
+    again = BlockCache(CacheSizes(memory_bytes=0, disk_dir=str(folder), disk_bytes=smaller, fill="never"))
+    assert again.disk is not None and on_disk() == again.disk.used <= smaller and again.disk.used > 0
+    again.close()
 
 
 @pytest.fixture

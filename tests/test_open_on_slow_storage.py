@@ -24,12 +24,13 @@ import pytest
 from croupier.bench import s3server
 from croupier.server.readers import open_dataset
 from croupier.server.readers.imagefolder import ImageFolderReader
-from croupier.server.readers.listing import Progress
+from croupier.server.readers import listing
+from croupier.server.readers.listing import FilesProgress, Progress
 from croupier.server.storage.local import LocalStore
 from croupier.server.storage.mounts import mount_of, object_store_mount, parse_mountinfo
 
 from croupier.bench.bucket_mount import rclone_mounted, rclone_unusable, s3fs_mounted, s3fs_unusable
-from readers_data import png_bytes, write_imagefolder
+from readers_data import png_bytes, write_arrow_folder, write_imagefolder, write_parquet, write_webdataset
 
 _RCLONE = rclone_unusable()
 needs_rclone = pytest.mark.skipif(_RCLONE is not None, reason=f"no rclone mount here: {_RCLONE}")
@@ -175,6 +176,50 @@ def test_a_quick_open_logs_nothing(tmp_path: Path, caplog) -> None:
     with caplog.at_level(logging.INFO, logger="croupier.server.open"):
         ImageFolderReader("imgs", str(tmp_path / "imgs"), store=CountingStore(), progress=Progress("x", clock=lambda: 0.0))
     assert [r for r in caplog.records if r.name == "croupier.server.open"] == []
+
+
+def test_an_open_that_reads_each_file_logs_its_progress_rate_and_time_left(caplog) -> None:
+    ticks = itertools.count()  # one "second" per look at the clock: per file read
+    progress = FilesProgress("dataset d", 12, "shard indexes", interval_s=5.0, clock=lambda: float(next(ticks)))
+    with caplog.at_level(logging.INFO, logger="croupier.server.open"):
+        for _ in range(12):
+            progress.step()
+        progress.finish()
+    assert [r.getMessage() for r in caplog.records if r.name == "croupier.server.open"] == progress.lines == [
+        "opening dataset d: 5 of 12 shard indexes read, 1.0 a second, about 7 s left",
+        "opening dataset d: 10 of 12 shard indexes read, 1.0 a second, about 2 s left",
+        "opened dataset d: 12 shard indexes read in 13.0 s",
+    ]
+    quiet = FilesProgress("dataset q", 3, clock=lambda: 0.0)
+    for _ in range(3):
+        quiet.step()
+    quiet.finish()
+    assert quiet.lines == []  # an open quicker than the interval says nothing
+
+
+@pytest.mark.parametrize("fmt, kind", [("webdataset", "shard indexes"), ("parquet", "footers"), ("arrow", "file layouts")])
+def test_a_webdataset_parquet_or_arrow_open_reports_its_files_as_it_reads_them(tmp_path: Path, caplog, monkeypatch,
+                                                                               fmt: str, kind: str) -> None:
+    # Interval 0: a line after each file but the last, then the end: what a slow open logs.
+    monkeypatch.setattr(listing, "PROGRESS_S", 0.0)
+    root = tmp_path / "d"
+    if fmt == "webdataset":
+        write_webdataset(root, 30, shard_size=10)
+    elif fmt == "parquet":
+        for k in range(3):
+            write_parquet(root / f"part-{k}.parquet", 10, start=10 * k)
+    else:
+        write_arrow_folder(root, [10, 10, 10])
+    with caplog.at_level(logging.INFO, logger="croupier.server.open"):
+        reader = open_dataset(str(root), name="d", format=fmt, cache_dir=str(tmp_path / "cache"))
+    try:
+        assert len(reader) == 30
+    finally:
+        reader.close()
+    logged = [r.getMessage() for r in caplog.records if r.name == "croupier.server.open"]
+    assert [line.split(", ", 1)[0] for line in logged[:-1]] == [
+        f"opening dataset d ({root}): {k} of 3 {kind} read" for k in (1, 2)]
+    assert logged[-1].startswith(f"opened dataset d ({root}): 3 {kind} read in ")
 
 
 # ---- the cached index ------------------------------------------------------------------

@@ -36,6 +36,7 @@ from ..storage.mounts import mount_of
 from ..storage.readpath import LOCAL_FILE_SYSTEMS
 from .base import DatasetError, DatasetInfo, Reader, SampleError, TablePayload, dataset_files, item_nbytes
 from .ipc_layout import IPCLayout, read_layouts
+from .listing import FilesProgress
 from . import flat_rows
 from .ipc_rows import DEFAULT_PAGE_CACHE_BYTES, PAGE_BYTES, Codec, CorruptRow, Node, PageCache, Unsupported, Walk
 from .ipc_rows import buffer_count, make_codecs, node_count
@@ -105,7 +106,8 @@ class TableReader(Reader):
         #: The store hands a group's rows over as they land (Store.submit_rows): groups pay
         #: even where reads land at different times. Until a store says it cannot.
         self._rows_stream = True
-        self.layouts: list[IPCLayout] = read_layouts(self.store, self.files, cache_dir)
+        self.layouts: list[IPCLayout] = read_layouts(
+            self.store, self.files, cache_dir, FilesProgress(f"dataset {name} ({self.store.url(path)})", len(self.files), "file layouts"))
         first = self.layouts[0].schema
         for layout in self.layouts[1:]:
             if not layout.schema.equals(first, check_metadata=False):

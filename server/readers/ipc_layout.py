@@ -29,6 +29,7 @@ import pyarrow as pa
 
 from ..storage import Store
 from .base import DatasetError
+from .listing import FilesProgress
 
 _MAGIC = b"ARROW1"
 _CONTINUATION = 0xFFFFFFFF
@@ -344,6 +345,16 @@ def read_layout_cached(store: Store, path: str, cache_dir: str | os.PathLike | N
     return layout
 
 
-def read_layouts(store: Store, paths: list[str], cache_dir: str | os.PathLike | None = None) -> list[IPCLayout]:
+def read_layouts(store: Store, paths: list[str], cache_dir: str | os.PathLike | None = None,
+                 progress: FilesProgress | None = None) -> list[IPCLayout]:
     """The layouts of several files, read concurrently (each file's own reads may be too)."""
-    return _parallel(lambda p: read_layout_cached(store, p, cache_dir), paths)
+    def one(path: str) -> IPCLayout:
+        layout = read_layout_cached(store, path, cache_dir)
+        if progress is not None:
+            progress.step()
+        return layout
+
+    layouts = _parallel(one, paths)
+    if progress is not None:
+        progress.finish()
+    return layouts

@@ -7,12 +7,15 @@ listing (`Store.list_names`: readdir's names and types, no sizes), and the listi
 on threads of their own, `LIST_THREADS` at once, that only wait on storage: not on the
 event loop, not on the server's few CPU workers. An open that takes longer than
 `PROGRESS_S` logs its progress every `PROGRESS_S`: files listed, folders left, rate.
+Opens that read something of each file instead (a tar shard's index, a Parquet footer, an
+Arrow file's layout) report theirs with `FilesProgress`.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import logging
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -69,6 +72,46 @@ class Progress:
             self.say(f"opened {self.what}: {self.files:,} files in {self.folders:,} folders listed in {elapsed:.1f} s")
 
     def say(self, line: str) -> None:
+        self.lines.append(line)
+        log.info("%s", line)
+
+
+@dataclass
+class FilesProgress:
+    """An open that reads something of each of a dataset's `total` files: a line every
+    `PROGRESS_S` (read when made) while it runs, with the rate and the time left, and one
+    at its end when it logged any. Files may finish on several threads."""
+
+    what: str  # "dataset NAME (URL)"
+    total: int
+    kind: str = "files"  # what of each file is read: "shard indexes", "footers", ...
+    interval_s: float | None = None
+    clock: Callable[[], float] = time.monotonic
+    lines: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.interval = PROGRESS_S if self.interval_s is None else self.interval_s
+        self.done = 0
+        self.started = self.last = self.clock()
+        self._lock = threading.Lock()
+
+    def step(self) -> None:
+        """One more file read."""
+        with self._lock:
+            self.done += 1
+            now = self.clock()
+            if now - self.last < self.interval or self.done >= self.total:
+                return
+            self.last = now
+            rate = self.done / max(now - self.started, 1e-9)
+            self._say(f"opening {self.what}: {self.done:,} of {self.total:,} {self.kind} read, {rate:,.1f} a second, "
+                      f"about {(self.total - self.done) / rate:,.0f} s left")
+
+    def finish(self) -> None:
+        if self.lines:  # only an open slow enough to report progress reports its end
+            self._say(f"opened {self.what}: {self.total:,} {self.kind} read in {self.clock() - self.started:.1f} s")
+
+    def _say(self, line: str) -> None:
         self.lines.append(line)
         log.info("%s", line)
 

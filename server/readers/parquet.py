@@ -52,6 +52,7 @@ import pyarrow.parquet as pq
 
 from ..storage import Range, Store
 from .base import DatasetError, DatasetInfo, Reader, SampleError, TablePayload, dataset_files
+from .listing import FilesProgress
 from .tables import checked_columns, table_info, to_ipc_payload
 
 DEFAULT_CACHE_BYTES = 256 << 20
@@ -170,8 +171,10 @@ class ParquetReader(Reader):
         self.starts: list[int] = []  # first global row of each group
         total = 0
         schema: pa.Schema | None = None
+        progress = FilesProgress(f"dataset {name} ({self.store.url(path)})", len(self.paths), "footers")
         for fno, f in enumerate(self.paths):
             metadata, file_schema = self._open_file(f, self.urls[fno])
+            progress.step()
             if schema is None:
                 schema = file_schema
             elif not file_schema.equals(schema):
@@ -185,6 +188,7 @@ class ParquetReader(Reader):
                 self.groups.append((fno, g))
                 self.starts.append(total)
                 total += metadata.row_group(g).num_rows
+        progress.finish()
         assert schema is not None
         self.schema = schema
         self.num_rows = total

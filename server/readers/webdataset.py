@@ -35,6 +35,7 @@ from ..storage.fileobj import open_store_file
 from ..storage.readpath import LOCAL_FILE_SYSTEMS, mount_of
 from .base import DatasetError, DatasetInfo, ImagePayload, Reader, dataset_files
 from .images import ImageItem, checked_format, image_payload, read_bytes
+from .listing import FilesProgress
 from .tree_cache import write_json_atomic
 
 INDEX_VERSION = 2
@@ -209,11 +210,14 @@ class WebDatasetReader(Reader):
             self.store.pin(shard)  # read at member offsets for the dataset's life: keep it open
         # Per sample: (shard number, member name, data offset, size, label)
         self.samples: list[tuple[int, str, int, int, int]] = []
+        progress = FilesProgress(f"dataset {name} ({self.store.url(path)})", len(self.shards), "shard indexes")
         for sno, shard in enumerate(self.shards):
             for key, members, label in load_index(shard, cache_dir, self.store):
                 ext = pick_extension(members, IMAGE_EXTS)
                 if ext is not None:
                     self.samples.append((sno, f"{key}.{ext}", *members[ext], label))
+            progress.step()
+        progress.finish()
         if not self.samples:
             raise DatasetError(f"WebDataset {path}: no sample has an image member ({', '.join(IMAGE_EXTS)})")
         folder = self.shards[0].rsplit("/", 1)[0] if "/" in self.shards[0] else ""
