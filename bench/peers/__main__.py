@@ -11,7 +11,7 @@ from pathlib import Path
 def main(argv: list[str] | None = None) -> int:
     from dataclasses import replace
 
-    from .suite import CACHE_CONDITIONS, SCRIPTS, cache_targets, full, quick, resized, run_peers
+    from .suite import CACHE_CONDITIONS, SCRIPTS, cache_targets, full, on_mounts, quick, resized, run_peers
 
     p = argparse.ArgumentParser(prog="python -m croupier.bench.peers", description=__doc__)
     p.add_argument("--quick", action="store_true", help="the smoke run: tiny data, croupier, Mosaic, LitData, latency FS")
@@ -20,6 +20,10 @@ def main(argv: list[str] | None = None) -> int:
                         "FUSE mount with the kernel's defaults and the raised one (both, the default: "
                         "peers-cache.md), only one of them (kernel, raised), S3 (s3), or the S3 bucket through "
                         "rclone mount and s3fs with their defaults (rclone, s3fs, mounts: both)")
+    p.add_argument("--on-mounts", action="store_true",
+                   help="issue 21's new peers (Lance, Grain + ArrayRecord, dataloader-rs) beside croupier on the "
+                        "FUSE mount with the kernel's defaults and the S3 bucket through rclone mount and s3fs, each "
+                        "epoch cut after 30 s (peers-mounts.md)")
     p.add_argument("--out", default="bench/results")
     p.add_argument("--data-dir", help="where the generated data lives (default ~/.cache/croupier/bench-data/...)")
     p.add_argument("--only", default="", help="run only the cases whose 'dataset | storage | system | variant' "
@@ -29,7 +33,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--systems", help="comma-separated subset of the suite's systems (croupier, mosaic, litdata, "
                                      "tfdata, torchdata, lance, dataloader-rs, grain)")
     args = p.parse_args(argv)
-    base = cache_targets(args.cache) if args.cache else quick() if args.quick else full()
+    base = (cache_targets(args.cache) if args.cache else on_mounts() if args.on_mounts else quick() if args.quick
+            else full())
     suite = resized(base, args.text_rows, args.images)
     if args.systems:
         wanted = tuple(s.strip() for s in args.systems.split(",") if s.strip())

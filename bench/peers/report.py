@@ -13,7 +13,7 @@ NO_RESUME = {"tfdata": "none: a tf.data service iterator cannot be checkpointed"
              "dataloader-rs": "none: PyDataloader has no state_dict"}
 #: The suites run at the issues' sizes (any other name is a smoke run on other data).
 ISSUE_RUNS = ("peers", "peers-cache", "peers-cache-kernel", "peers-cache-raised", "peers-cache-s3", "peers-cache-rclone",
-              "peers-cache-s3fs", "peers-cache-mounts")
+              "peers-cache-s3fs", "peers-cache-mounts", "peers-mounts")
 VARIANT_NAMES = {"default": "default", "strongest": "strongest shuffle", "cache10": "cache = 10% of data",
                  "loader": "its torch loader", "shards": "images as WebDataset tar shards"}
 

@@ -134,6 +134,9 @@ class PeersSuite:
     #: A peer thrashing its 10% cache can take many minutes an epoch: its epoch is cut after this
     #: long, and reported as the rate of the part it ran (its later epochs are then not run).
     cache10_epoch_s: float = 60.0
+    #: Every epoch is cut after this long (0: never), reported as the rate of the part it ran: a
+    #: peer reading a request a sample through a bucket mount would take many minutes an epoch.
+    epoch_cut_s: float = 0.0
     seed: int = 0
     #: "loader": a peer's own shuffled loader beside its default set-up (Lance's lance.torch.data).
     variants: tuple[str, ...] = ("default", "strongest", "cache10", "resume", "loader")
@@ -175,6 +178,18 @@ def cache_targets(conditions: str = "both") -> PeersSuite:
                       data=full().data, systems=("croupier", "mosaic", "litdata"),
                       conditions=CACHE_CONDITIONS[conditions], variants=("default", "cache10", "shards"),
                       cache10_epoch_s=30.0)
+
+
+#: Issue 21's item 5 for its three new peers: the storage people really mount.
+MOUNT_CONDITIONS = (latency_fs_kernel_defaults(5.0), bucket_mount("rclone"), bucket_mount("s3fs"))
+
+
+def on_mounts() -> PeersSuite:
+    """croupier beside Lance (its take and its torch loader), Grain + ArrayRecord and dataloader-rs on
+    the FUSE mount with the kernel's defaults and the S3 bucket through rclone and s3fs with their
+    defaults; the suite's sizes; every epoch cut after 30 s (its rate is the part it ran)."""
+    return PeersSuite(name="peers-mounts", data=full().data, systems=("croupier", "lance", "grain", "dataloader-rs"),
+                      conditions=MOUNT_CONDITIONS, variants=("default", "loader", "shards"), epoch_cut_s=30.0)
 
 
 def resized(suite: PeersSuite, text_rows: int | None = None, images: int | None = None) -> PeersSuite:
@@ -338,7 +353,7 @@ def run_system(ctx: Ctx, st: Any, system: str, ds: str, variant: str, n: int, ex
               batch=s.batch, epochs=epochs, workers=s.workers, shuffle=_shuffle_of(variant),
               cache_limit=int(total_bytes * s.cache_fraction) if variant == "cache10" else 0,
               state_path=str(run_dir / "state.json"), seed=s.seed,
-              max_epoch_s=s.cache10_epoch_s if variant == "cache10" else 0.0,
+              max_epoch_s=s.cache10_epoch_s if variant == "cache10" else s.epoch_cut_s,
               endpoint=getattr(getattr(st, "server", None), "endpoint", "") if st.condition.key == "s3" else "",
               master_port=free_port())
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONDONTWRITEBYTECODE": "1"}
@@ -365,7 +380,8 @@ def run_system(ctx: Ctx, st: Any, system: str, ds: str, variant: str, n: int, ex
         rec["venv"] = venv_of(system, st.condition.key)
         jobs = [asdict(replace(job, rank=r)) for r in range(s.world)]
         # A thrashing cache is cut per epoch once a batch comes; one that brings none is stopped here.
-        timeout = min(s.timeout_s, epochs * s.cache10_epoch_s + 180) if variant == "cache10" else s.timeout_s
+        cut = s.cache10_epoch_s if variant == "cache10" else s.epoch_cut_s
+        timeout = min(s.timeout_s, epochs * cut + 180) if cut else s.timeout_s
         with watch:
             if variant == "resume":
                 kill_after = max(1, int(batches_per_rank * s.kill_fraction))
