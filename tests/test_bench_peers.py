@@ -532,6 +532,23 @@ def test_lance_grain_and_dataloader_rs_are_wired_into_the_matrix() -> None:
     assert report.VARIANT_NAMES["loader"] and "lance" in report.NO_RESUME
 
 
+def test_the_new_peers_run_on_the_storage_people_mount_each_epoch_cut_alike() -> None:
+    from croupier.bench.peers import report, suite
+
+    mounts = suite.on_mounts()
+    assert mounts.name == "peers-mounts" and mounts.name in report.ISSUE_RUNS
+    planned = {(c.name, ds, s, v) for c, ds, s, v in suite.planned(mounts)}
+    names = [c.name for c in mounts.conditions]
+    assert names == ["latency FS 5 ms, kernel defaults", "rclone mount of S3 20 ms", "s3fs mount of S3 20 ms"]
+    for name in names:
+        assert {(name, ds, s, "default") for ds in ("text", "image")
+                for s in ("croupier", "lance", "grain", "dataloader-rs")} <= planned
+        assert (name, "image", "lance", "loader") in planned and (name, "image", "croupier", "shards") in planned
+    # every system's epoch is cut at the same 30 s (a cache10 row keeps its own cut)
+    assert {suite.epoch_cut(mounts, v) for v in ("default", "loader", "shards")} == {30.0}
+    assert suite.epoch_cut(suite.full(), "default") == 0.0 and suite.epoch_cut(suite.full(), "cache10") == 60.0
+
+
 def test_a_peer_that_needs_a_newer_python_is_recorded_and_no_venv_is_made(tmp_path: Path,
                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
     from croupier.bench.peers import venvs

@@ -192,6 +192,11 @@ def on_mounts() -> PeersSuite:
                       conditions=MOUNT_CONDITIONS, variants=("default", "loader", "shards"), epoch_cut_s=30.0)
 
 
+def epoch_cut(suite: PeersSuite, variant: str) -> float:
+    """Seconds into an epoch at which a case of `variant` is cut (0: never)."""
+    return suite.cache10_epoch_s if variant == "cache10" else suite.epoch_cut_s
+
+
 def resized(suite: PeersSuite, text_rows: int | None = None, images: int | None = None) -> PeersSuite:
     """The same suite on other data sizes (`--text-rows`, `--images`: the full matrix on tiny data, to check it runs)."""
     data = replace(suite.data, text_rows=text_rows or suite.data.text_rows, images=images or suite.data.images)
@@ -353,7 +358,7 @@ def run_system(ctx: Ctx, st: Any, system: str, ds: str, variant: str, n: int, ex
               batch=s.batch, epochs=epochs, workers=s.workers, shuffle=_shuffle_of(variant),
               cache_limit=int(total_bytes * s.cache_fraction) if variant == "cache10" else 0,
               state_path=str(run_dir / "state.json"), seed=s.seed,
-              max_epoch_s=s.cache10_epoch_s if variant == "cache10" else s.epoch_cut_s,
+              max_epoch_s=epoch_cut(s, variant),
               endpoint=getattr(getattr(st, "server", None), "endpoint", "") if st.condition.key == "s3" else "",
               master_port=free_port())
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONDONTWRITEBYTECODE": "1"}
@@ -380,7 +385,7 @@ def run_system(ctx: Ctx, st: Any, system: str, ds: str, variant: str, n: int, ex
         rec["venv"] = venv_of(system, st.condition.key)
         jobs = [asdict(replace(job, rank=r)) for r in range(s.world)]
         # A thrashing cache is cut per epoch once a batch comes; one that brings none is stopped here.
-        cut = s.cache10_epoch_s if variant == "cache10" else s.epoch_cut_s
+        cut = epoch_cut(s, variant)
         timeout = min(s.timeout_s, epochs * cut + 180) if cut else s.timeout_s
         with watch:
             if variant == "resume":
