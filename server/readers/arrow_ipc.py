@@ -106,8 +106,8 @@ class TableReader(Reader):
         #: The store hands a group's rows over as they land (Store.submit_rows): groups pay
         #: even where reads land at different times. Until a store says it cannot.
         self._rows_stream = True
-        self.layouts: list[IPCLayout] = read_layouts(
-            self.store, self.files, cache_dir, FilesProgress(f"dataset {name} ({self.store.url(path)})", len(self.files), "file layouts"))
+        progress = FilesProgress(f"dataset {name} ({self.store.url(path)})", len(self.files), "file layouts")
+        self.layouts: list[IPCLayout] = read_layouts(self.store, self.files, cache_dir, progress)
         first = self.layouts[0].schema
         for layout in self.layouts[1:]:
             if not layout.schema.equals(first, check_metadata=False):
