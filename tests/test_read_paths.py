@@ -57,14 +57,16 @@ def _read_pages(store: LocalStore, path: str, pages: list[int], size: int = 1000
 @needs_fuse
 @needs_native
 @pytest.mark.parametrize("max_background", [latencyfs.KERNEL_DEFAULT, None], ids=["kernel-default", "raised"])
-def test_a_mount_that_caps_concurrent_preads_is_read_by_page_faults_and_a_raised_one_by_preads(source: Path, max_background) -> None:
+def test_a_mount_that_caps_concurrent_preads_is_read_by_page_faults_and_a_raised_one_by_preads(source: Path, max_background,
+                                                                                              caplog) -> None:
     # 20 ms fixed: the cap (12 in flight) against 64 asked is a 5x difference in rate,
     # far from the rule's thresholds whatever else the CPUs are doing.
     with latencyfs.mounted(source, median_ms=20, distribution="fixed", max_background=max_background) as fs:
         store = LocalStore(io_threads=256, read_path="auto")
         try:
             fs.reset_stats()
-            store.pin(str(fs.path / "data.bin"))
+            with caplog.at_level("WARNING", logger="croupier.storage"):
+                store.pin(str(fs.path / "data.bin"))
             [choice] = store.read_paths()
             peak = fs.stats()["max_in_flight"]
         finally:
@@ -75,9 +77,15 @@ def test_a_mount_that_caps_concurrent_preads_is_read_by_page_faults_and_a_raised
         assert choice.capped() and choice.ceilings["pread"] <= 13, choice  # the kernel's 12, not the 64 asked
         assert choice.path == "mmap" and choice.rates["mmap"] >= 1.25 * choice.rates["pread"], choice
         assert peak == 64  # the daemon saw the page faults all at once, past the cap
+        # one line names the mount, its ceiling, the path taken and what would raise the cap
+        [line] = [r.getMessage() for r in caplog.records if "reads at once with preads" in r.getMessage()]
+        assert line.startswith(f"storage: {fs.path} (fuse.latencyfs) completes only about ")
+        assert f"about {choice.ceilings['pread']:.0f} reads at once" in line and "croupier asks for up to 256" in line
+        assert "reading it by page faults of a mapping" in line and "-o max_background=256" in line, line
     else:
         assert not choice.capped() and choice.path == "pread" and "mmap" not in choice.rates, choice
         assert peak == 64
+        assert not [r for r in caplog.records if "reads at once" in r.getMessage()]
 
 
 @needs_fuse
