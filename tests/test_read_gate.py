@@ -184,3 +184,27 @@ def test_a_mount_whose_daemon_serves_files_apart_in_parallel_has_its_preads_spre
                 assert store._extra_fds == {} and store._spread == {}
             finally:
                 store.close()
+
+
+def test_a_probe_again_keeps_a_daemon_bound_mounts_preads_spread_unless_a_path_beats_the_spread_rate() -> None:
+    # Figures from a 20 ms rclone mount: through one descriptor every path made 29-46 reads/s
+    # (about one at a time), preads spread over 8 descriptors 168. A probe again once took
+    # O_DIRECT on that noise and dropped the spread: the gate fell from 9 reads to 2.
+    mount = readpath.Mount(7, "/mnt/bucket", "fuse.rclone", "remote:bucket")
+
+    def choice(path: str, rates: dict[str, float], ceilings: dict[str, float]) -> readpath.Choice:
+        return readpath.Choice(mount, path, "measured", asked=1024, latency_s=0.025, rates=rates, ceilings=ceilings,
+                               probe_concurrency=64)
+
+    old = choice("pread", {"pread": 38, "direct": 36, "mmap": 44}, {"pread": 0.95, "direct": 0.9, "mmap": 1.1})
+    old.handles, old.spread = 8, (8, 168.0)
+    noisy = choice("direct", {"pread": 32, "direct": 46, "mmap": 29}, {"pread": 0.8, "direct": 1.15, "mmap": 0.73})
+    assert readpath.daemon_bound(noisy) and readpath.keeps_spread(old, noisy)
+    noisy.path, noisy.handles, noisy.spread = "pread", old.handles, old.spread  # what the store then does
+    assert readpath.read_limit(noisy) == readpath.read_limit(old) == 9
+    faster = choice("direct", {"pread": 32, "direct": 300, "mmap": 29}, {"pread": 0.8, "direct": 7.5, "mmap": 0.73})
+    assert not readpath.keeps_spread(old, faster)  # beats 1.25 x 168: the new path wins
+    freed = choice("mmap", {"pread": 32, "mmap": 2000}, {"pread": 0.8, "mmap": 50.0})
+    assert not readpath.daemon_bound(freed) and not readpath.keeps_spread(old, freed)  # the daemon no longer the cap
+    single = choice("pread", dict(old.rates), dict(old.ceilings))
+    assert not readpath.keeps_spread(single, noisy)  # nothing was spread before

@@ -445,8 +445,8 @@ class LocalStore(Store):
             os.close(fd)
         if new is None:
             return
-        if old.handles > 1 and new.path == "pread" and readpath.daemon_bound(new):  # its files stay spread
-            new.handles, new.spread = old.handles, old.spread
+        if readpath.keeps_spread(old, new):  # its files stay spread, read by preads
+            new.path, new.handles, new.spread = "pread", old.handles, old.spread
         with self._pin_lock:
             asked, achieved = watch.last_window or (0.0, 0.0)
             rates = readpath.rates_line(new)
