@@ -118,14 +118,15 @@ def _pread_direct(fd: int, offset: int, size: int) -> bytes:
     """An O_DIRECT read into this thread's page-aligned buffer, its length rounded up to a
     page (file systems that check alignment want both; FUSE sends an unaligned 1 MiB read
     as 2 requests, an aligned one as 1)."""
+    span = -(-size // _PAGE) * _PAGE
     buf = getattr(_buffers, "buf", None)
-    if buf is None or len(buf) < size:
-        buf = _buffers.buf = mmap.mmap(-1, max(BLOCK_BYTES, -(-size // _PAGE) * _PAGE))
+    if buf is None or len(buf) < span:
+        buf = _buffers.buf = mmap.mmap(-1, max(BLOCK_BYTES, span))
     view = memoryview(buf)
     try:
         got = 0
         while got < size:
-            n = os.preadv(fd, [view[got:-(-size // _PAGE) * _PAGE]], offset + got)
+            n = os.preadv(fd, [view[got:span]], offset + got)
             if not n:
                 break
             got += n
