@@ -80,20 +80,20 @@ def _mounted(name: str, argv: Sequence[str], work: Path, mnt: Path, timeout: flo
 
 
 @contextlib.contextmanager
-def rclone_mounted(endpoint: str, bucket: str, timeout: float = 20.0) -> Iterator[Path]:
-    """`rclone mount bench:BUCKET MNT` (defaults), the remote in a config file of its own;
-    yields the mount point, unmounts and reaps the daemon on exit."""
+def rclone_mounted(endpoint: str, bucket: str, timeout: float = 20.0, options: Sequence[str] = ()) -> Iterator[Path]:
+    """`rclone mount bench:BUCKET MNT` (defaults, plus `options`), the remote in a config file
+    of its own; yields the mount point, unmounts and reaps the daemon on exit."""
     work = Path(tempfile.mkdtemp(prefix="rclone-"))
     conf = write_config(work, endpoint)
     mnt = work / "mnt"
     mnt.mkdir()
-    argv = ["rclone", "mount", "--config", str(conf), f"{REMOTE}:{bucket}", str(mnt)]
+    argv = ["rclone", "mount", "--config", str(conf), f"{REMOTE}:{bucket}", str(mnt), *options]
     with _mounted("rclone", argv, work, mnt, timeout) as m:
         yield m
 
 
 @contextlib.contextmanager
-def s3fs_mounted(endpoint: str, bucket: str, timeout: float = 20.0) -> Iterator[Path]:
+def s3fs_mounted(endpoint: str, bucket: str, timeout: float = 20.0, options: Sequence[str] = ()) -> Iterator[Path]:
     """`s3fs BUCKET MNT` in the foreground with its defaults, but for what a non-AWS endpoint
     needs (url=, use_path_request_style, a password file of its own); yields the mount
     point, unmounts and reaps the daemon on exit."""
@@ -104,7 +104,7 @@ def s3fs_mounted(endpoint: str, bucket: str, timeout: float = 20.0) -> Iterator[
     mnt = work / "mnt"
     mnt.mkdir()
     argv = ["s3fs", bucket, str(mnt), "-f", "-o", f"url={endpoint}", "-o", "use_path_request_style",
-            "-o", f"passwd_file={passwd}"]
+            "-o", f"passwd_file={passwd}", *options]
     with _mounted("s3fs", argv, work, mnt, timeout) as m:
         yield m
 

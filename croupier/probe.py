@@ -506,6 +506,9 @@ def _file_remedies(target: str, choice: readpath.Choice, want: int) -> list[str]
         else:
             out.append(f"{m.mount_point} is a {store_mount.client} mount of an object store; serve its bucket's "
                        f"URL instead (not derived: {store_mount.note})")
+        limit = mounts.CLIENT_LIMITS.get(store_mount.client)
+        if limit and not (choice.capped() and readpath.daemon_bound(choice)):  # else the remedy below says it
+            out.append(f"to keep the mount: {limit}")
     if choice.capped():
         out.append(readpath.remedy(choice.mount, want, choice))
     return out

@@ -17,6 +17,7 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -27,7 +28,7 @@ from croupier.server.readers.imagefolder import ImageFolderReader
 from croupier.server.readers import listing
 from croupier.server.readers.listing import FilesProgress, Progress
 from croupier.server.storage.local import LocalStore
-from croupier.server.storage.mounts import mount_of, object_store_mount, parse_mountinfo
+from croupier.server.storage.mounts import CLIENT_LIMITS, mount_of, object_store_mount, parse_mountinfo
 
 from croupier.bench.bucket_mount import rclone_mounted, rclone_unusable, s3fs_mounted, s3fs_unusable
 from readers_data import png_bytes, write_arrow_folder, write_imagefolder, write_parquet, write_webdataset
@@ -87,6 +88,7 @@ def test_a_bucket_mount_is_recognised_and_the_log_names_its_s3_url(caplog, clien
     assert len(lines) == 1, lines
     assert f"serve s3://data/imgs instead (with AWS_ENDPOINT_URL={s3.endpoint})" in lines[0]
     assert f"client {client}" in lines[0] and str(mnt) in lines[0]
+    assert f"to keep the mount: {CLIENT_LIMITS[client]}" in lines[0]  # what the client's own options change
     assert reader.object_store_mount == found
     assert len(reader) == 3
 
@@ -106,11 +108,42 @@ def test_mountinfo_gives_the_innermost_mount_and_each_clients_bucket(tmp_path: P
     assert object_store_mount("/mnt/with space/d", str(info)).url == "s3://bkt/some/prefix/d"  # type: ignore[union-attr]
     on_the_fly = object_store_mount("/mnt/r/d", str(info))
     assert on_the_fly is not None and on_the_fly.url is None and "not a named remote" in on_the_fly.note
-    assert "could not derive" in on_the_fly.message("d", "/mnt/r/d")
+    said = on_the_fly.message("d", "/mnt/r/d")
+    assert "could not derive" in said and "--checkers" in said  # the client's own limit, all the same
+    assert "to keep the mount" not in object_store_mount("/mnt/gcs/x", str(info)).message("d", "x")  # nothing measured
     blob = object_store_mount("/mnt/b/d", str(info))
     assert blob is not None and blob.client == "blobfuse2" and blob.url is None
     assert object_store_mount("/home/x", str(info)) is None
     assert [m.device for m in parse_mountinfo(info.read_text())] == ["254:0", "0:40", "0:41", "0:42", "0:43"]
+
+
+@needs_rclone
+def test_rclone_itself_holds_requests_to_checkers_plus_transfers_and_heads_each_file_it_opens() -> None:
+    # What CLIENT_LIMITS tells a user, checked against the rclone installed, the store counting:
+    # with its defaults at most 12 requests reach the store at once from 32 threads, a HEAD and
+    # a GET a file; --checkers 32 lets more through; --use-server-modtime drops the HEAD.
+    files, size = 96, 2200
+    with s3server.running(None, latency=30) as s3:
+        s3.create_bucket("data")
+        for i in range(files):
+            s3.put("data", f"f/c{i % 16}/{i}.bin", bytes([i]) * size)
+
+        def read_all(options: tuple[str, ...]) -> dict:
+            with rclone_mounted(s3.endpoint, "data", options=options) as mnt:
+                for c in range(16):
+                    os.listdir(mnt / "f" / f"c{c}")
+                s3.reset_stats()
+                paths = [mnt / "f" / f"c{i % 16}" / f"{i}.bin" for i in range(files)]
+                with ThreadPoolExecutor(32) as pool:
+                    got = list(pool.map(Path.read_bytes, paths))
+                assert got == [bytes([i]) * size for i in range(files)]
+                return s3.stats()
+
+        defaults = read_all(())
+        assert defaults["by_method"] == {"HEAD": files, "GET": files}, defaults
+        assert 1 < defaults["max_in_flight"] <= 12, defaults
+        assert read_all(("--checkers", "32"))["max_in_flight"] > 12
+        assert read_all(("--use-server-modtime",))["by_method"] == {"GET": files}
 
 
 # ---- no request per file -------------------------------------------------------------

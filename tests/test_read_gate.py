@@ -208,3 +208,20 @@ def test_a_probe_again_keeps_a_daemon_bound_mounts_preads_spread_unless_a_path_b
     assert not readpath.daemon_bound(freed) and not readpath.keeps_spread(old, freed)  # the daemon no longer the cap
     single = choice("pread", dict(old.rates), dict(old.ceilings))
     assert not readpath.keeps_spread(single, noisy)  # nothing was spread before
+
+
+def test_a_daemon_bound_bucket_mount_is_told_its_clients_own_limit_and_the_option_that_lifts_it() -> None:
+    # bench/results/mount-files.md: rclone held 12 requests at once with max_background raised to
+    # 256 (--checkers + --transfers); the remedy names those options, not the kernel's knob.
+    def bound(fs_type: str) -> tuple[readpath.Mount, readpath.Choice]:
+        mount = readpath.Mount(7, "/mnt/bucket", fs_type, "remote:bucket")
+        return mount, readpath.Choice(mount, "pread", "measured", asked=1024, latency_s=0.025,
+                                      rates={"pread": 38, "mmap": 44}, ceilings={"pread": 0.95, "mmap": 1.1},
+                                      probe_concurrency=64)
+    mount, choice = bound("fuse.rclone")
+    assert readpath.daemon_bound(choice)
+    said = readpath.remedy(mount, 1024, choice)
+    assert "--checkers" in said and "--use-server-modtime" in said and "its worker threads" not in said
+    mount, choice = bound("fuse.latencyfs")  # a daemon nothing was measured for: the general advice
+    said = readpath.remedy(mount, 1024, choice)
+    assert "its worker threads" in said and "--checkers" not in said

@@ -62,6 +62,26 @@ MEASURED_GAIN = {
 }
 
 
+#: What caps a client's requests to the store with its defaults, and what lifts it: only what
+#: bench/results/mount-files.md measured (a loopback store at 20 ms a request, 64 threads
+#: opening and reading 2,200-byte files whole). Neither limit is the kernel's max_background:
+#: rclone stayed at 12 requests at once with it raised to 256.
+CLIENT_LIMITS = {
+    "rclone": "rclone itself sends at most --checkers + --transfers requests to the store at once (8 + 4 by "
+    "default: 12), and HEADs each file it looks up for its modification time, one lookup at a time per folder: "
+    "`--checkers 32` took small-file reads from 253 to 708 files/s (36 requests at once), `--use-server-modtime` "
+    "drops the HEAD (42 to 504 files/s in one folder)",
+    "s3fs": "s3fs HEADs every file as it lists a folder and again on each open, and with its defaults completed about "
+    "65 small files a second however many threads read them (no option of its own measured here raises that)",
+}
+
+
+def client_limit(fs_type: str) -> str | None:
+    """CLIENT_LIMITS' line for the client a file-system type names (e.g. fuse.rclone), if measured."""
+    client = _CLIENT_TYPES.get(fs_type)
+    return CLIENT_LIMITS.get(client) if client else None
+
+
 @dataclass(frozen=True)
 class MountInfo:
     """One line of /proc/self/mountinfo."""
@@ -95,11 +115,15 @@ class ObjectStoreMount:
             "the client's requests and the kernel's FUSE queue"
         )
         if self.url is None:
-            return f"{head}; could not derive the bucket URL to serve instead ({self.note})"
+            limit = CLIENT_LIMITS.get(self.client)
+            return (f"{head}; could not derive the bucket URL to serve instead ({self.note})"
+                    + (f"; to keep the mount: {limit}" if limit else ""))
         gain = MEASURED_GAIN.get(self.client)
+        limit = CLIENT_LIMITS.get(self.client)
         return (
             f"{head}; serve {self.url} instead{f' ({self.note})' if self.note else ''}"
             + (f": {gain}" if gain else "")
+            + (f"; to keep the mount: {limit}" if limit else "")
         )
 
 

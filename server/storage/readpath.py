@@ -391,10 +391,13 @@ def remedy(mount: Mount, want: int, choice: Choice | None = None) -> str:
     """What would raise a mount's cap on concurrent reads (`choice`: its measurement, which
     tells a daemon's own cap from the kernel's)."""
     if choice is not None and daemon_bound(choice):
+        own = mounts.client_limit(mount.fs_type)
         return (f"the FUSE daemon itself completes only about {choice.ceilings['mmap']:.0f} reads at once, whatever "
                 "the read path (page faults, which the kernel's max_background does not cap, got no further than "
-                "preads): raising max_background would not help; the daemon's own options might (its worker "
-                "threads, its read-ahead), or read the data without the mount")
+                "preads): raising max_background would not help; "
+                + (f"the daemon's own options: {own}" if own else
+                   "the daemon's own options might (its worker threads, its read-ahead)")
+                + ", or read the data without the mount")
     if mount.is_fuse:
         return (f"mount it with -o max_background={want} (if the FUSE file system passes it on), or as root "
                 f"`echo {want} > {mount.fuse_connection()}/max_background` (needs fusectl mounted at /sys/fs/fuse/connections)")
