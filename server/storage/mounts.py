@@ -69,7 +69,7 @@ MEASURED_GAIN = {
 CLIENT_LIMITS = {
     "rclone": "rclone itself sends at most --checkers + --transfers requests to the store at once (8 + 4 by "
     "default: 12), and HEADs each file it looks up for its modification time, one lookup at a time per folder: "
-    "`--checkers 32` took small-file reads from 253 to 708 files/s (36 requests at once), `--use-server-modtime` "
+    "`--checkers 32` took small-file reads from 254 to 709 files/s (36 requests at once), `--use-server-modtime` "
     "drops the HEAD (42 to 504 files/s in one folder)",
     "s3fs": "s3fs HEADs every file as it lists a folder and again on each open, and with its defaults completed about "
     "65 small files a second however many threads read them (no option of its own measured here raises that)",
