@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
+import pytest
 import pyarrow.ipc as ipc
 
 from croupier.bench import latencyfs
@@ -244,14 +245,16 @@ def _rows(rows: list[list[tuple[int, int]]]) -> tuple[Any, list]:
 
 def test_the_rows_of_one_call_are_handed_over_as_each_completes_once_per_wake_up() -> None:
     group, calls = _rows([[(0, 1)], [(10, 1), (20, 1)], [(30, 1)], [(40, 1)]])
+    # The pool gets the ranges in row order, one call for them all; range i lands as i.
+    assert group.flat == [(0, 1), (10, 1), (20, 1), (30, 1), (40, 1)]
     # One wake-up: row 2 lands whole, row 1 half: only row 2 is handed over; both ranges counted.
-    assert group.land(2 * native._ROW_SPAN, b"c") is True
-    assert group.land(1 * native._ROW_SPAN + 1, b"B2") is False  # already to be flushed
+    assert group.land(3, b"c") is True
+    assert group.land(2, b"B2") is False  # already to be flushed
     group.flush()
     assert calls == [([(2, [b"c"], None)], 2, 0, 3)]  # (rows done, ranges landed, failed, bytes)
     # The next: row 1's other range, and a failed read of row 3; row 0 still out.
-    assert group.land(1 * native._ROW_SPAN, b"B1") is True
-    assert group.land(3 * native._ROW_SPAN, -5) is False
+    assert group.land(1, b"B1") is True
+    assert group.land(4, -5) is False
     group.flush()
     done, ok, bad, nbytes = calls[1]
     assert done[0] == (1, [b"B1", b"B2"], None) and (ok, bad, nbytes) == (1, 1, 2)  # its parts in the order asked
@@ -290,3 +293,77 @@ def test_a_gated_mount_starts_a_groups_rows_one_by_one_at_its_gate(tmp_path: Pat
     (gate,) = gates
     assert crossings.row_calls == GROUPS and crossings.rows_back == ROWS
     assert gate.peak == 2 and gate.in_flight == 0 and gate.queued >= ROWS - GROUPS * 2
+
+
+class _CountingPool:
+    """The native pool's C object, its submit calls counted by name."""
+
+    def __init__(self, inner: Any):
+        self.inner, self.calls = inner, {}
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self.inner, name)
+        if not name.startswith("submit"):
+            return attr
+
+        def counted(*args: Any) -> Any:
+            self.calls[name] = self.calls.get(name, 0) + 1
+            return attr(*args)
+        return counted
+
+
+@pytest.mark.skipif(not native.available(), reason="the native read pool is not built (no C compiler)")
+def test_the_native_pool_takes_a_groups_ranges_in_one_call_and_each_lands_as_its_own(tmp_path: Path) -> None:
+    # Issue 21 item 4: one crossing of the native boundary per group, not one per range; a
+    # preads fd, a mapping and (where the file system takes it) O_DIRECT, on a real file.
+    data = os.urandom(1 << 20)
+    path = tmp_path / "data.bin"
+    path.write_bytes(data)
+    rows = [[(i * 997 % 900_000, 1000)] for i in range(32)] + [[(5, 10), (70_000, 3), (999_990, 100)]]
+    want = [[data[o:o + s] for o, s in r] for r in rows]
+    fd = os.open(path, os.O_RDONLY)
+    mapping = native.Mapping(fd)
+    try:
+        direct = native.open_direct(str(path))
+    except OSError:
+        direct = None
+    pool = native.NativeReadPool(64)
+    counting = pool._pool = _CountingPool(pool._pool)
+
+    async def read(**how: Any) -> list:
+        got: list = [None] * len(rows)
+        done = asyncio.Event()
+        left = [len(rows)]
+
+        def back(rows_done: list, ok: int, bad: int, nbytes: int) -> None:
+            for row, parts, err in rows_done:
+                assert err is None, err
+                got[row] = parts
+                left[0] -= 1
+            if not left[0]:
+                done.set()
+        pool.pread_rows(how.get("fd"), str(path), rows, back, mapping=how.get("mapping"), direct=how.get("direct"))
+        await asyncio.wait_for(done.wait(), 30)
+        return got
+
+    try:
+        for how in ({"fd": fd}, {"mapping": mapping}, *([{"direct": direct}] if direct else [])):
+            counting.calls.clear()
+            assert asyncio.run(read(**how)) == want, how
+            assert counting.calls == {"submit_ranges": 1}, (how, counting.calls)
+        counting.calls.clear()
+        assert asyncio.run(read()) == want  # by path: each range opened on its own thread, one call each
+        assert counting.calls == {"submit_path": sum(map(len, rows))}
+        # A bad range queues nothing: every range is checked before any is handed to a thread.
+        before = pool._pool.pending
+        with pytest.raises(TypeError, match="range 1 is not an"):
+            pool._pool.submit_ranges(10**9, fd, [(0, 1), [2, 3]])
+        with pytest.raises(ValueError, match="range 0: offset must not be negative"):
+            pool._pool.submit_ranges(10**9, fd, [(-1, 1)])
+        assert pool._pool.pending == before
+    finally:
+        pool.close()
+        mapping.close()
+        os.close(fd)
+        if direct:
+            os.close(direct.fd)

@@ -609,6 +609,65 @@ static PyObject *Pool_submit_map(Pool *p, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* Many ranges of one file in one call (issue 21 item 4: one crossing of the native boundary
+ * per group of rows, not one per range): `target` a Mapping (copies out of it), or an fd
+ * (preads; O_DIRECT ranges aligned to `align` when it is above 0); `ranges` a sequence of
+ * (offset, size); range i gets token `token0 + i`. Every range is checked before any is
+ * queued, so a bad one queues nothing. */
+static PyObject *Pool_submit_ranges(Pool *p, PyObject *args) {
+    long long token0, align = 0;
+    PyObject *target, *ranges;
+    if (!PyArg_ParseTuple(args, "LOO|L", &token0, &target, &ranges, &align)) return NULL;
+    mapping *map = NULL;
+    int fd = -1;
+    if (PyObject_TypeCheck(target, &MappingType)) {
+        map = ((Mapping *)target)->m;
+        if (!map) { PyErr_SetString(PyExc_ValueError, "the mapping is closed"); return NULL; }
+        if (align != 0) { PyErr_SetString(PyExc_ValueError, "a mapping's ranges take no alignment"); return NULL; }
+    } else {
+        long v = PyLong_AsLong(target);
+        if (v == -1 && PyErr_Occurred()) return NULL;
+        fd = v > INT_MAX ? -1 : (int)v;
+        if (fd < 0 || align < 0) { PyErr_SetString(PyExc_ValueError, "fd and align must not be negative"); return NULL; }
+    }
+    PyObject *seq = PySequence_Fast(ranges, "ranges must be a sequence of (offset, size)");
+    if (!seq) return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    long long *spans = PyMem_Malloc(sizeof(long long) * 2 * (size_t)(n ? n : 1));
+    if (!spans) { Py_DECREF(seq); return PyErr_NoMemory(); }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *item = PySequence_Fast_GET_ITEM(seq, i);
+        if (!PyTuple_Check(item) || PyTuple_GET_SIZE(item) != 2) {
+            PyErr_Format(PyExc_TypeError, "range %zd is not an (offset, size) tuple", i);
+            goto fail;
+        }
+        spans[2 * i] = PyLong_AsLongLong(PyTuple_GET_ITEM(item, 0));
+        spans[2 * i + 1] = PyLong_AsLongLong(PyTuple_GET_ITEM(item, 1));
+        if (PyErr_Occurred()) goto fail;
+        if (spans[2 * i] < 0) { PyErr_Format(PyExc_ValueError, "range %zd: offset must not be negative", i); goto fail; }
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        job *j = calloc(1, sizeof *j);
+        if (!j) { PyErr_NoMemory(); goto fail; }
+        j->token = token0 + i; j->fd = fd; j->offset = spans[2 * i]; j->size = spans[2 * i + 1];
+        j->align = align; j->map = map;
+        if (map) atomic_fetch_add(&map->refs, 1);
+        if (enqueue(p, j) != 0) {
+            if (map) mapping_release(map);
+            free(j);
+            PyErr_SetString(PyExc_RuntimeError, "the read pool is closed");
+            goto fail;
+        }
+    }
+    PyMem_Free(spans);
+    Py_DECREF(seq);
+    Py_RETURN_NONE;
+fail:
+    PyMem_Free(spans);
+    Py_DECREF(seq);
+    return NULL;
+}
+
 /* ---- measure: reads at a given concurrency, timed (the store's probe) ---------------- */
 
 typedef struct {
@@ -833,6 +892,8 @@ static PyMethodDef Pool_methods[] = {
     {"submit_map", (PyCFunction)Pool_submit_map, METH_VARARGS, "submit_map(token, mapping, offset, size): copy out of a Mapping on a thread"},
     {"submit_direct", (PyCFunction)Pool_submit_direct, METH_VARARGS,
      "submit_direct(token, fd, offset, size, align): read an O_DIRECT fd in align-aligned ranges on a thread"},
+    {"submit_ranges", (PyCFunction)Pool_submit_ranges, METH_VARARGS,
+     "submit_ranges(token0, mapping or fd, [(offset, size), ...][, align]): range i as token0 + i, one call"},
     {"drain", (PyCFunction)Pool_drain, METH_NOARGS, "drain() -> [(token, bytes or -errno)]"},
     {"fileno", (PyCFunction)Pool_fileno, METH_NOARGS, "the eventfd that is readable when completions wait"},
     {"close", (PyCFunction)Pool_close, METH_NOARGS, "let the threads exit once the queued jobs are done"},

@@ -190,17 +190,7 @@ class NativeReadPool:
         when the last lands, or `callback(None, error)` at the first failure, called on the
         loop. No future per range: the hot path's cheapest."""
         group = _Group(self._watch(), callback, len(ranges))
-        for i, (offset, size) in enumerate(ranges):
-            self._token += 1
-            self._futures[self._token] = (group, i)  # type: ignore[assignment]
-            if mapping is not None:
-                self._pool.submit_map(self._token, mapping, offset, size)
-            elif direct is not None:
-                self._pool.submit_direct(self._token, direct.fd, offset, size, direct.align)
-            elif fd is not None:
-                self._pool.submit(self._token, fd, offset, size)
-            else:
-                self._pool.submit_path(self._token, path, offset, size)
+        self._submit_batch(group, ranges, fd, path, mapping, direct)
 
     def pread_rows(
         self,
@@ -221,19 +211,25 @@ class NativeReadPool:
         their own read's pace, while the loop's Python is paid per wake-up, not per row
         (server/stream/read_groups.py)."""
         group = _Rows(self._watch(), callback, rows)
-        futures, pool = self._futures, self._pool
-        for r, ranges in enumerate(rows):
-            for j, (offset, size) in enumerate(ranges):
-                self._token += 1
-                futures[self._token] = (group, r * _ROW_SPAN + j)  # type: ignore[assignment]
-                if mapping is not None:
-                    pool.submit_map(self._token, mapping, offset, size)
-                elif direct is not None:
-                    pool.submit_direct(self._token, direct.fd, offset, size, direct.align)
-                elif fd is not None:
-                    pool.submit(self._token, fd, offset, size)
-                else:
-                    pool.submit_path(self._token, path, offset, size)
+        self._submit_batch(group, group.flat, fd, path, mapping, direct)
+
+    def _submit_batch(self, group: "_Group | _Rows", ranges: Sequence[tuple[int, int]], fd: int | None, path: str,
+                      mapping: Any, direct: DirectFile | None) -> None:
+        """`ranges` for `group`, range i as token `group.base + i`: one call into the pool for
+        them all (a path's ranges, each opened on its thread, one call each)."""
+        base = group.base = self._token + 1
+        self._token += len(ranges)
+        self._futures.update(dict.fromkeys(range(base, base + len(ranges)), group))  # type: ignore[arg-type]
+        pool = self._pool
+        if mapping is not None:
+            pool.submit_ranges(base, mapping, ranges)
+        elif direct is not None:
+            pool.submit_ranges(base, direct.fd, ranges, direct.align)
+        elif fd is not None:
+            pool.submit_ranges(base, fd, ranges)
+        else:
+            for i, (offset, size) in enumerate(ranges):
+                pool.submit_path(base + i, path, offset, size)
 
     def _drain(self) -> None:
         loop = asyncio.get_running_loop()
@@ -242,8 +238,9 @@ class NativeReadPool:
             entry = self._futures.pop(token, None)
             if entry is None:
                 continue
-            if type(entry) is tuple:  # a _Group's range, a _Rows' range, or a _Call
-                group, i = entry
+            kind = type(entry)
+            if kind is tuple or kind is _Rows or kind is _Group:  # a _Call's, or a range of a group
+                group, i = entry if kind is tuple else (entry, token - entry.base)
                 if group.loop is not loop:  # another loop's read (tests share a store)
                     group.loop.call_soon_threadsafe(_land_elsewhere, group, i, value)
                 elif group.land(i, value):
@@ -269,9 +266,10 @@ class NativeReadPool:
 class _Group:
     """The ranges of one `pread_ranges` call: parts as they land, one callback at the end."""
 
-    __slots__ = ("loop", "callback", "parts", "left")
+    __slots__ = ("loop", "callback", "parts", "left", "base")
 
     def __init__(self, loop: asyncio.AbstractEventLoop, callback: Callable, n: int):
+        self.base = 0  # the token of range 0 (the pool's tokens for the group run on from it)
         self.loop = loop
         self.callback = callback
         self.parts: list[bytes | None] = [None] * n
@@ -290,39 +288,38 @@ class _Group:
             self.callback(self.parts, None)
 
 
-#: A _Rows range's key: row * _ROW_SPAN + its index in the row (one int, no tuple per range).
-_ROW_SPAN = 1 << 16
-
-
 class _Rows:
     """The rows of one `pread_rows` call: each row's parts as they land; the rows that
     completed since the last `flush`, and the ranges that landed, handed over together."""
 
-    __slots__ = ("loop", "callback", "rows", "left", "parts", "single", "done", "ok", "bad", "nbytes", "queued")
+    __slots__ = ("loop", "callback", "rows", "left", "parts", "single", "done", "ok", "bad", "nbytes", "queued",
+                 "flat", "where", "base")
 
     def __init__(self, loop: asyncio.AbstractEventLoop, callback: Callable, rows: Sequence[Sequence[Any]]):
-        longest = max(map(len, rows), default=0)
-        if longest >= _ROW_SPAN:
-            raise ValueError(f"a row of more than {_ROW_SPAN - 1} ranges")
         self.loop = loop
         self.callback = callback
         self.rows = rows
         self.left = list(map(len, rows))  # ranges still out per row; 0 once handed over
         self.parts: dict[int, list[bytes | None]] = {}  # rows of several ranges, some landed
-        self.single = longest == 1  # every row one range: the common case, no parts lists
+        self.single = max(self.left, default=0) == 1  # every row one range: the common case, no parts lists
+        #: Every row's ranges in row order, range i as the pool's token `base + i`; for rows of
+        #: several ranges, range i's (row, index in the row).
+        self.flat = [r[0] for r in rows] if self.single else [rg for r in rows for rg in r]
+        self.where = None if self.single else [(row, j) for row, r in enumerate(rows) for j in range(len(r))]
+        self.base = 0
         self.done: list[tuple[int, list[bytes] | None, OSError | None]] = []
         self.ok = self.bad = self.nbytes = 0  # ranges landed since the last flush (a failed row's too)
         self.queued = False  # in the current drain's list of groups to flush
 
-    def land(self, key: int, value: bytes | int) -> bool:
-        """One range landed; True when this group must be flushed after the drain (the
-        first range it got since the last flush)."""
+    def land(self, i: int, value: bytes | int) -> bool:
+        """Range i (of `flat`) landed; True when this group must be flushed after the drain
+        (the first range it got since the last flush)."""
         if type(value) is int:
             self.bad += 1
         else:
             self.ok += 1
             self.nbytes += len(value)
-        row, j = divmod(key, _ROW_SPAN)
+        row, j = (i, 0) if self.where is None else self.where[i]
         left = self.left[row]
         if left > 0:  # else its row failed at an earlier range and was handed over then
             if type(value) is int:
