@@ -17,10 +17,12 @@ probe left out), also by thread group.
 The floor, in the same run: `_preadpool.measure` on threads of its own, the CPU of those
 threads per read, at the concurrency the server reached (its peak storage reads in
 flight), by the read path the server used (its per-path read counters): for text, one
-1,000-byte read per row at random row offsets of the same file; for images, one read of
-the mean image size at each image's offset in a packed copy of the same files beside
-them on the same storage, plus the open, fstat and close each image read needs (timed on
-one Python thread by its CPU clock, so that part carries a Python call's overhead).
+1,000-byte read per row at random row offsets of the same file; for images
+(`_preadpool.measure_files`), the same image files each opened, fstat'ed, read whole and
+closed by bare C threads, as many at once: the syscalls croupier's whole-file jobs make.
+Runs before 2026-11-28 used a decomposition instead (one read of the mean image size at
+each image's offset in a packed copy beside them, plus one Python thread's open, fstat and
+close per file, which paid no cost of concurrency); it is still reported beside it.
 
 Where read groups apply (table rows on a local file system), the same server with them
 off (`bench/serve_ungrouped.py`: the per-sample path) runs beside it, alternated
@@ -172,6 +174,17 @@ def floor(file: Path, offsets: list[int], size: int, concurrency: int, read_path
             "threads": threads, "path": read_path}
 
 
+def floor_files(files: Sequence[Path], concurrency: int) -> dict[str, Any]:
+    """CPU per file of bare C threads reading `files` whole (open, fstat, read, close),
+    `concurrency` at once: the same bytes through the same storage by the same syscalls."""
+    from croupier.server.storage import native
+
+    seconds, errors, threads, nbytes, cpu = native.measure_files([str(f) for f in files], min(concurrency, len(files)))
+    return {"us_per_read": cpu / len(files) * 1e6, "us_per_sample": cpu / len(files) * 1e6,
+            "reads_per_s": len(files) / seconds, "errors": errors, "threads": threads, "bytes": nbytes,
+            "path": "open+read+close"}
+
+
 def open_cost(files: Sequence[Path]) -> float:
     """CPU µs per file of the open, fstat and close an image read needs (one thread, its CPU clock)."""
     t0 = time.thread_time()
@@ -209,12 +222,15 @@ def measure_storage(condition: str, root: Path, data: dict[str, Path], spans: li
                 fl = floor(data["text"], text_offsets(data["text"], args.floor_reads), ROW_BYTES,
                            got["peak_in_flight"], got["read_path"])
                 fl["opens_us"] = 0.0
+                fl["us_per_sample"] = fl["us_per_read"]
             else:
+                fl = floor_files(image_files[:args.floor_reads], got["peak_in_flight"])
+                # The decomposition earlier runs used (preads of a packed copy at that
+                # concurrency, plus one thread's open, fstat and close), kept beside it.
                 mean = round(sum(s for _, s in spans) / len(spans))
-                fl = floor(root / "images.packed", [o for o, _ in spans][:args.floor_reads], mean,
-                           got["peak_in_flight"], "pread")
-                fl["opens_us"] = open_cost(image_files[:args.floor_reads])
-            fl["us_per_sample"] = fl["us_per_read"] + fl["opens_us"]
+                packed = floor(root / "images.packed", [o for o, _ in spans][:args.floor_reads], mean,
+                               got["peak_in_flight"], "pread")
+                fl["packed"] = {**packed, "opens_us": open_cost(image_files[:args.floor_reads])}
             row = {"storage": condition, "dataset": dataset, "cache": cache, **got, "floor": fl,
                    "ratio": got["us_per_sample"] / fl["us_per_sample"]}
             rows.append(row)
@@ -283,9 +299,12 @@ def _table(rows: list[dict[str, Any]]) -> list[str]:
            "| ratio | server CPU by thread group, µs/sample |", "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         fl = r["floor"]
-        opens = f" + {fl['opens_us']:.1f} open" if fl.get("opens_us") else ""
+        opens = f" + {fl['opens_us']:.1f} open" if fl.get("opens_us") else ""  # runs before the files floor
+        packed = fl.get("packed")
+        was = (f"; the earlier decomposition: {packed['us_per_read']:.1f} a pread of a packed copy + "
+               f"{packed['opens_us']:.1f} open" if packed else "")
         out.append(f"| {r['storage']} | {r['dataset']} | {r['cache']} | {r['samples_per_s']:,.0f} | "
-                   f"{r['us_per_sample']:.1f} | {fl['us_per_read']:.1f}{opens} ({fl['path']}, {r['peak_in_flight']}) "
+                   f"{r['us_per_sample']:.1f} | {fl['us_per_read']:.1f}{opens} ({fl['path']}, {r['peak_in_flight']}{was}) "
                    f"| **{r['ratio']:.1f}x** | {_fmt_groups(r['groups_us_per_sample'])} |")
     return out
 
@@ -299,7 +318,8 @@ def report(rep: dict[str, Any], plots: Sequence[str] = ()) -> str:
              f"and {s['image_samples']:,} images counted after the first batch. Server CPU: /proc user+system of "
              "the server process. Floor: `_preadpool.measure`, the CPU of its own threads per read of the same "
              "bytes through the same storage, at the server's peak storage reads in flight, by the path the server "
-             f"used ({s['floor_reads']:,} reads); for images plus an open, fstat and close per file.", "",
+             f"used ({s['floor_reads']:,} reads); for images `_preadpool.measure_files`: bare threads opening, "
+             "fstat'ing, reading whole and closing the same image files, as many at once.", "",
              *_table(rep["rows"])]
     if rep.get("before"):
         b = rep["before"]

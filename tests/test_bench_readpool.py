@@ -70,3 +70,34 @@ def test_the_s3_get_benchmark_measures_both_ways_on_a_real_server(tmp_path: Path
     runs = json.loads(out.with_suffix(".json").read_text())["results"]
     assert runs["direct | 8"][0]["direct_gets"] >= 60 and runs["obstore | 8"][0]["direct_gets"] == 0
     assert runs["obstore | 8"][0]["tokio_s"] > 0
+
+
+def test_the_image_floor_reads_each_file_whole_through_the_storage_at_the_concurrency_asked(tmp_path: Path) -> None:
+    # bench/cpu_per_sample.py's floor for one file a sample: bare C threads open, fstat, read
+    # whole and close the same files; the FUSE daemon counts what reached it.
+    from croupier.bench import latencyfs
+    from croupier.bench.cpu_per_sample import floor_files
+    from croupier.server.storage import native
+
+    if not native.available():
+        pytest.skip("the native read pool is not built (no C compiler)")
+    why = latencyfs.check_available()
+    if why:
+        pytest.skip(f"latencyfs not available: {why}")
+    src = tmp_path / "src"
+    src.mkdir()
+    sizes = [1000 + 37 * i for i in range(40)]
+    for i, size in enumerate(sizes):
+        (src / f"{i:03d}.jpg").write_bytes(bytes([i]) * size)
+    with latencyfs.mounted(src, median_ms=2, sigma=0.5, max_background=latencyfs.KERNEL_DEFAULT) as fs:
+        files = sorted(Path(fs.path).iterdir())
+        fs.evict()
+        fs.reset_stats()
+        got = floor_files(files, 8)
+        stats = fs.stats()
+        assert got["errors"] == 0 and got["bytes"] == sum(sizes) and got["threads"] == 8
+        assert stats["opens"] == len(files) and stats["bytes"] == sum(sizes)  # each file read whole, once
+        assert 1 < len(stats["caller_tids"]) <= 8
+        assert got["us_per_sample"] > 0 and got["path"] == "open+read+close"
+    seconds, errors, threads, nbytes, cpu = native.measure_files([str(tmp_path / "missing")], 1)
+    assert (errors, nbytes) == (1, 0)

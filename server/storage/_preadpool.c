@@ -782,6 +782,99 @@ static PyObject *measure(PyObject *mod, PyObject *args) {
                          pr.done_at_dry, (double)atomic_load(&pr.cpu_ns) / 1e9);
 }
 
+/* measure_files: whole files read by bare C threads (open, fstat, read to the end, close each),
+ * `concurrency` at once: the floor of a reader of one file a sample (an ImageFolder) through
+ * the same storage, by the same syscalls croupier's whole-file jobs make. */
+typedef struct {
+    char **paths;
+    long long n;
+    atomic_llong next, errors, bytes;
+    atomic_llong cpu_ns;
+} files_probe;
+
+static void *files_worker(void *arg) {
+    files_probe *pr = (files_probe *)arg;
+    long long cpu0 = thread_cpu_ns();
+    size_t cap = 1 << 16;
+    char *buf = malloc(cap);
+    if (!buf) { atomic_fetch_add(&pr->errors, 1); return NULL; }
+    for (;;) {
+        long long i = atomic_fetch_add(&pr->next, 1);
+        if (i >= pr->n) break;
+        int fd;
+        do fd = open(pr->paths[i], O_RDONLY | O_CLOEXEC); while (fd < 0 && errno == EINTR);
+        struct stat st;
+        if (fd < 0 || fstat(fd, &st) != 0) { atomic_fetch_add(&pr->errors, 1); if (fd >= 0) close(fd); continue; }
+        long long got = 0;
+        for (;;) {
+            ssize_t r;
+            do r = read(fd, buf, cap); while (r < 0 && errno == EINTR);
+            if (r < 0) { atomic_fetch_add(&pr->errors, 1); break; }
+            if (r == 0) break;
+            got += r;
+        }
+        atomic_fetch_add(&pr->bytes, got);
+        close(fd);
+    }
+    free(buf);
+    atomic_fetch_add(&pr->cpu_ns, thread_cpu_ns() - cpu0);
+    return NULL;
+}
+
+static PyObject *measure_files(PyObject *mod, PyObject *args) {
+    PyObject *paths_obj;
+    int concurrency;
+    if (!PyArg_ParseTuple(args, "Oi", &paths_obj, &concurrency)) return NULL;
+    if (concurrency < 1) { PyErr_SetString(PyExc_ValueError, "concurrency must be >= 1"); return NULL; }
+    PyObject *seq = PySequence_Fast(paths_obj, "paths must be a sequence of paths");
+    if (!seq) return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    char **paths = calloc((size_t)(n > 0 ? n : 1), sizeof *paths);
+    if (!paths) { Py_DECREF(seq); return PyErr_NoMemory(); }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *b = NULL;
+        if (!PyUnicode_FSConverter(PySequence_Fast_GET_ITEM(seq, i), &b)) goto fail;
+        paths[i] = strdup(PyBytes_AS_STRING(b));
+        Py_DECREF(b);
+        if (!paths[i]) { PyErr_NoMemory(); goto fail; }
+    }
+    Py_DECREF(seq);
+    seq = NULL;
+    files_probe pr = {.paths = paths, .n = n};
+    atomic_init(&pr.next, 0);
+    atomic_init(&pr.errors, 0);
+    atomic_init(&pr.bytes, 0);
+    atomic_init(&pr.cpu_ns, 0);
+    pthread_t *ts = calloc((size_t)concurrency, sizeof *ts);
+    int started = 0;
+    struct timespec t0, t1;
+    Py_BEGIN_ALLOW_THREADS
+    clock_gettime(CLOCK_MONOTONIC, &t0);
+    if (ts) {
+        pthread_attr_t attr;
+        pthread_attr_init(&attr);
+        pthread_attr_setstacksize(&attr, 128 * 1024);
+        for (; started < concurrency; started++)
+            if (pthread_create(&ts[started], &attr, files_worker, &pr) != 0) break;
+        pthread_attr_destroy(&attr);
+    }
+    if (started == 0) files_worker(&pr);
+    for (int i = 0; i < started; i++) pthread_join(ts[i], NULL);
+    clock_gettime(CLOCK_MONOTONIC, &t1);
+    Py_END_ALLOW_THREADS
+    free(ts);
+    for (Py_ssize_t i = 0; i < n; i++) free(paths[i]);
+    free(paths);
+    double secs = (double)(t1.tv_sec - t0.tv_sec) + (double)(t1.tv_nsec - t0.tv_nsec) / 1e9;
+    return Py_BuildValue("(dLiLd)", secs, (long long)atomic_load(&pr.errors), started > 0 ? started : 1,
+                         (long long)atomic_load(&pr.bytes), (double)atomic_load(&pr.cpu_ns) / 1e9);
+fail:
+    Py_XDECREF(seq);
+    for (Py_ssize_t i = 0; i < n; i++) free(paths[i]);
+    free(paths);
+    return NULL;
+}
+
 static void free_job(job *j) {
     if (j->map) mapping_release(j->map);
     free(j->roots);
@@ -966,6 +1059,9 @@ static PyObject *read_nowait(PyObject *mod, PyObject *args) {
 static PyMethodDef module_methods[] = {
     {"measure", measure, METH_VARARGS,
      "measure(fd, mapping | None, offsets, size, concurrency[, align]) -> (seconds, errors, threads, seconds_dry, done_dry, cpu_seconds)"},
+    {"measure_files", measure_files, METH_VARARGS,
+     "measure_files(paths, concurrency) -> (seconds, errors, threads, bytes, cpu_seconds): each file opened, "
+     "fstat'ed, read whole and closed by bare threads, concurrency at once"},
     {"read_nowait", read_nowait, METH_VARARGS,
      "read_nowait(fd, ranges, max_bytes) -> [bytes, ...] | None: the ranges from the page cache now, else None"},
     {"direct_alignment", direct_alignment, METH_VARARGS,

@@ -30,9 +30,9 @@ from typing import Any, NamedTuple
 from .base import FileVersion, StoreStats
 
 try:
-    from ._preadpool import Mapping, Pool as _NativePool, direct_alignment, measure, read_nowait
+    from ._preadpool import Mapping, Pool as _NativePool, direct_alignment, measure, measure_files, read_nowait
 except ImportError:  # built without a compiler: the Python pool serves instead
-    _NativePool = Mapping = measure = direct_alignment = read_nowait = None  # type: ignore[assignment,misc]
+    _NativePool = Mapping = measure = measure_files = direct_alignment = read_nowait = None  # type: ignore[assignment,misc]
 
 
 class DirectFile(NamedTuple):
