@@ -13,6 +13,11 @@ stops rising, and the peak rate there.
   Where the file system refuses O_DIRECT, that path is shown unavailable, with the reason.
   The path croupier will use is readpath.py's rule applied to the rates at its probe
   concurrency (64).
+* An ImageFolder (a folder whose files are mostly images, listed by name, no stat: a stat
+  is a request on a bucket mount): image files drawn at random across its folders, each
+  read whole once (open, fstat, read, close: `measure_files`, what the server's whole-file
+  jobs do), one at a time and then 1, 2, 4, ... at once; within --max-bytes, a file that
+  would pass it closed unread.
 * s3:// (gs://, az://): range GETs through the server's ObjectStore (urls.open_store: the
   same client, options and environment).
 
@@ -40,6 +45,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
+from croupier.server.readers.images import is_image_name
 from croupier.server.serve_options import _storage_options as storage_options
 from croupier.server.storage import mounts, native, readpath, urls
 
@@ -56,6 +62,11 @@ FLAT_GAIN = 1.10
 FLAT_STEPS = 2
 #: files looked at under PATH at most
 MAX_FILES = 10_000
+#: an ImageFolder's file names listed at most (no stat: a stat is a request on a bucket
+#: mount); the files read are drawn from them across folders, as a shuffled epoch's are
+MAX_IMAGE_NAMES = 200_000
+#: image files timed one at a time, whole, for the latency distribution
+WHOLE_LATENCY_FILES = 32
 _PAGE = 4096
 _SKEW = 64  # reads start this far into a page, as rows do (readpath's probe too)
 _SERIAL_READS = 8  # readpath's L0: these reads one after another on one thread
@@ -146,7 +157,7 @@ class Report:
         rate = self.paths[self.chosen].peak_rate
         if self.spread is not None and self.spread["used"]:  # the server spreads its preads: their rate
             rate = max(rate, self.spread["reads_per_s"])
-        return rate / READS_PER_SAMPLE[self.rows]
+        return rate / (1 if self.chosen == "whole" else READS_PER_SAMPLE[self.rows])
 
     def to_json(self) -> dict:
         return {"target": self.target, "storage": self.storage, "objects": self.objects,
@@ -170,9 +181,10 @@ class Report:
             lines.append(f"{p.name + mark:<6} {p.percentile(.5) * 1e3:>8.2f} {p.percentile(.9) * 1e3:>8.2f} "
                          f"{p.percentile(.99) * 1e3:>8.2f} {p.knee:>5} {p.peak_rate:>13,.0f} {p.ceiling:>9.1f}  {sweep}")
         per = READS_PER_SAMPLE[self.rows]
+        what = (f"image files of {self.row_bytes:,} bytes on average (one file a sample" if self.chosen == "whole" else
+                f"{self.rows} rows of {self.row_bytes:,} bytes ({per} read{'s' * (per > 1)} a sample")
         lines += ["", f"croupier will read by {self.chosen} ({self.reason}): about {self.samples_per_s:,.0f} "
-                      f"samples/s for {self.rows} rows of {self.row_bytes:,} bytes ({per} read{'s' * (per > 1)} "
-                      "a sample, at the peak rate; the server's CPU may bound it lower)"]
+                      f"samples/s for {what}, at the peak rate; the server's CPU may bound it lower)"]
         if self.spread is not None:
             k, rate = self.spread["descriptors"], self.spread["reads_per_s"]
             lines.append(f"preads spread over {k} descriptors of a file: {rate:,.0f} reads/s; croupier "
@@ -347,6 +359,95 @@ def _file_latencies(result: PathResult, pages: Pages, budget: Budget, row_bytes:
             bar.update(1)
 
 
+def image_files(target: str) -> tuple[list[str], int]:
+    """An ImageFolder's image paths under folder `target` (at most MAX_IMAGE_NAMES, names
+    only: the listing's entry types, no stat), and how many other files it met."""
+    images: list[str] = []
+    others = 0
+    for folder, dirs, names in os.walk(target, onerror=None):
+        dirs[:] = sorted(d for d in dirs if not d.startswith("."))
+        for name in sorted(names):
+            if name.startswith("."):
+                continue
+            if is_image_name(name):
+                images.append(os.path.join(folder, name))
+                if len(images) >= MAX_IMAGE_NAMES:
+                    return images, others
+            else:
+                others += 1
+    return images, others
+
+
+def probe_whole_files(target: str, images: list[str], *, max_bytes: int, max_concurrency: int) -> Report:
+    """An ImageFolder: image files read whole (open, fstat, read, close) by bare C threads, as
+    the server reads them, each file once, drawn at random across its folders."""
+    if native.measure_files is None:
+        raise ProbeError(f"{target}: the probe needs croupier's native read pool, which this install lacks "
+                         "(built without a C compiler)")
+    files = list(images)
+    random.Random(0).shuffle(files)  # a shuffled epoch's files, from every folder listed
+    result = PathResult("whole")
+    left = [max_bytes]
+
+    def read(batch: list[str], c: int) -> tuple[float, int] | None:
+        """(seconds, files read) of `batch` read whole c at a time, within the byte bound."""
+        secs, errors, _, nbytes, cpu, skipped = native.measure_files(batch, c, left[0])
+        if errors:
+            raise ProbeError(f"{target}: {errors} of {len(batch)} image file(s) could not be opened or read")
+        left[0] -= nbytes
+        result.bytes += nbytes
+        result.reads += len(batch) - skipped
+        result.cpu_cores[c] = cpu / secs if secs > 0 else 0.0
+        return (secs, len(batch) - skipped) if not skipped else None
+
+    it = iter(files)
+    with _bar(WHOLE_LATENCY_FILES + ROUNDS * (2 * max_concurrency - 1), f"probe {target}") as bar:
+        for path in [p for _, p in zip(range(WHOLE_LATENCY_FILES), it)]:
+            got = read([path], 1)
+            if got is None:
+                break
+            result.latencies_s.append(got[0])
+            bar.update(1)
+
+        def step(c: int) -> float | None:
+            n = ROUNDS * c
+            batch = [p for _, p in zip(range(n), it)]
+            if len(batch) < n:
+                result.stopped = f"the folder ran out of unread image files before {c} in flight"
+                return None
+            got = read(batch, c)
+            bar.update(n)
+            if got is None:
+                result.stopped = f"--max-bytes reached before {c} in flight"
+                return None
+            return got[1] / got[0]
+
+        if result.latencies_s:
+            sweep(result, step, max_concurrency)
+    mount = readpath.mount_of(os.stat(files[0]).st_dev, files[0])
+    limits = mount.fuse_limits()
+    known = f", max_background={limits['max_background']}" if "max_background" in limits else ""
+    mean = result.bytes / result.reads if result.reads else 0
+    choice = readpath.Choice(mount, "pread", "measured", asked=max_concurrency, latency_s=result.mean_latency_s,
+                             rates={"pread": result.peak_rate}, ceilings={"pread": result.ceiling},
+                             probe_concurrency=result.knee)
+    remedies = _file_remedies(target, choice, max_concurrency, capped=_whole_capped(result, mount, max_concurrency))
+    return Report(target, f"{mount.fs_type} at {mount.point}{known}", len(images), round(mean), "images", max_bytes,
+                  {"whole": result}, "whole", "an ImageFolder: each image file read whole, open, read and close, as "
+                  "the server reads it", remedies)
+
+
+def _whole_capped(result: PathResult, mount: readpath.Mount, max_concurrency: int) -> bool:
+    """Whole-file reads stopped rising well short of what the server asks (its probe's
+    concurrency, or less when --max-concurrency is lower), on storage that caps requests
+    (not a local disk) and not for want of CPU (page-cached files: the reads are CPU-bound)."""
+    if not result.sweep or mount.is_local:
+        return False
+    peak = max(result.sweep, key=lambda cr: cr[1])[0]
+    return (result.ceiling < readpath._UNCAPPED_SHARE * min(max_concurrency, readpath.PROBE_CONCURRENCY)
+            and result.cpu_cores.get(peak, 0.0) < readpath._CPU_BOUND_CORES)
+
+
 def list_files(target: str) -> list[tuple[str, int]]:
     """(path, size) of the regular, non-hidden files at or under `target` (at most MAX_FILES)."""
     if not os.path.exists(target):
@@ -371,7 +472,12 @@ def list_files(target: str) -> list[tuple[str, int]]:
 
 
 def probe_files(target: str, *, row_bytes: int, rows: str, max_bytes: int, max_concurrency: int) -> Report:
-    """Measure preads and page faults of the files under `target`."""
+    """Measure preads and page faults of the files under `target` (an ImageFolder's image
+    files: whole-file reads, `probe_whole_files`)."""
+    if os.path.isdir(target) and os.access(target, os.R_OK | os.X_OK):
+        images, others = image_files(target)
+        if images and len(images) >= others:
+            return probe_whole_files(target, images, max_bytes=max_bytes, max_concurrency=max_concurrency)
     if native.measure is None or native.Mapping is None:
         raise ProbeError(f"{target}: the probe needs croupier's native read pool, which this install lacks "
                          "(built without a C compiler)")
@@ -494,7 +600,7 @@ def _reason(choice: readpath.Choice) -> str:
     return f"{capped}, and neither {others} do {readpath.MARGIN - 1:.0%} better"
 
 
-def _file_remedies(target: str, choice: readpath.Choice, want: int) -> list[str]:
+def _file_remedies(target: str, choice: readpath.Choice, want: int, capped: bool | None = None) -> list[str]:
     out: list[str] = []
     store_mount = mounts.object_store_mount(target)
     if store_mount is not None:
@@ -507,10 +613,13 @@ def _file_remedies(target: str, choice: readpath.Choice, want: int) -> list[str]
             out.append(f"{m.mount_point} is a {store_mount.client} mount of an object store; serve its bucket's "
                        f"URL instead (not derived: {store_mount.note})")
         limit = mounts.CLIENT_LIMITS.get(store_mount.client)
-        if limit and not (choice.capped() and readpath.daemon_bound(choice)):  # else the remedy below says it
+        if limit and not (capped is None and choice.capped() and readpath.daemon_bound(choice)):  # else the remedy says it
             out.append(f"to keep the mount: {limit}")
-    if choice.capped():
-        out.append(readpath.remedy(choice.mount, want, choice))
+    if capped is None:  # ranges: the paths measured tell the kernel's cap from the daemon's
+        if choice.capped():
+            out.append(readpath.remedy(choice.mount, want, choice))
+    elif capped and not (store_mount is not None and store_mount.client in mounts.CLIENT_LIMITS):
+        out.append(readpath.remedy(choice.mount, want))  # whole files: the mount's cap, where no client's own is known
     return out
 
 

@@ -99,5 +99,9 @@ def test_the_image_floor_reads_each_file_whole_through_the_storage_at_the_concur
         assert stats["opens"] == len(files) and stats["bytes"] == sum(sizes)  # each file read whole, once
         assert 1 < len(stats["caller_tids"]) <= 8
         assert got["us_per_sample"] > 0 and got["path"] == "open+read+close"
-    seconds, errors, threads, nbytes, cpu = native.measure_files([str(tmp_path / "missing")], 1)
-    assert (errors, nbytes) == (1, 0)
+    seconds, errors, threads, nbytes, cpu, skipped = native.measure_files([str(tmp_path / "missing")], 1)
+    assert (errors, nbytes, skipped) == (1, 0, 0)
+    # a byte bound: files that would pass it are opened and closed unread
+    seconds, errors, threads, nbytes, cpu, skipped = native.measure_files([str(p) for p in sorted(src.iterdir())], 4,
+                                                                          sum(sizes[:10]))
+    assert errors == 0 and nbytes <= sum(sizes[:10]) and skipped > 0 and nbytes > 0

@@ -146,6 +146,30 @@ def test_rclone_itself_holds_requests_to_checkers_plus_transfers_and_heads_each_
         assert read_all(("--use-server-modtime",))["by_method"] == {"GET": files}
 
 
+@needs_rclone
+def test_probing_an_image_folder_through_rclone_names_its_url_and_rclones_own_limit_not_max_background(capsys) -> None:
+    import json
+
+    from croupier import cli
+
+    with s3server.running(None, latency=20) as s3:
+        s3.create_bucket("data")
+        for i in range(200):
+            s3.put("data", f"imgs/c{i % 10}/{i}.jpg", bytes([i]) * 2200)
+        with rclone_mounted(s3.endpoint, "data") as mnt:
+            s3.reset_stats()
+            rc = cli.main(["probe", str(mnt / "imgs"), "--max-concurrency", "16", "--json"])
+            out, err = capsys.readouterr()
+            assert rc == 0, err
+            counts = s3.stats()
+    report = json.loads(out)
+    whole = report["paths"]["whole"]
+    assert report["chosen"] == "whole" and report["objects"] == 200
+    assert counts["by_method"]["HEAD"] == whole["reads"] and counts["max_in_flight"] <= 12  # a HEAD a file, rclone's 12
+    said = " | ".join(report["remedies"])
+    assert "serve s3://data/imgs instead" in said and "--checkers" in said and "max_background" not in said, said
+
+
 # ---- no request per file -------------------------------------------------------------
 
 

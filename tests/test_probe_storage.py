@@ -165,3 +165,43 @@ def test_missing_bucket_is_named(capsys) -> None:
         rc, _, err = _probe(capsys, "s3://no-such-bucket/ds", *options)
     assert rc == 2
     assert "s3://no-such-bucket" in err and "does not exist" in err, err
+
+
+# ---- an ImageFolder: one file a sample, read whole ---------------------------------------
+
+
+@pytest.fixture(scope="module")
+def image_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    src = tmp_path_factory.mktemp("probe-images")
+    for i in range(1_200):
+        folder = src / f"class{i % 10}"
+        folder.mkdir(exist_ok=True)
+        (folder / f"{i:05d}.jpg").write_bytes(bytes([i % 251]) * (400 + i % 200))
+    (src / "labels.txt").write_text("not an image: counted, never read\n")
+    return src
+
+
+@needs_fuse
+@needs_native
+def test_an_image_folder_is_probed_by_whole_file_reads_each_file_once_as_the_server_reads_it(image_folder: Path,
+                                                                                             capsys) -> None:
+    # Before: the range probe found no file large enough and printed 0 samples/s.
+    report, stats = _mounted_probe(image_folder, capsys, latencyfs.KERNEL_DEFAULT)
+    whole = report["paths"]["whole"]
+    assert report["chosen"] == "whole" and list(report["paths"]) == ["whole"], report
+    assert report["objects"] == 1_200 and report["reads_per_sample"] in (1, 2)  # the images, not labels.txt
+    # what it says it read reached the storage: each file opened once and read whole
+    assert stats["opens"] == whole["reads"] and stats["bytes"] == report["bytes_read"] <= report["max_bytes"]
+    assert whole["latency_reads"] == 32 and whole["latency_ms"]["p50"] >= 10, whole  # 20 ms a read
+    assert whole["sweep"][-1]["concurrency"] >= 64 and whole["ceiling_in_flight"] > 24, whole  # past the cap of 12
+    assert report["samples_per_s"] == pytest.approx(whole["peak_reads_per_s"], rel=0.01)
+    assert not any("max_background" in r for r in report["remedies"]), report["remedies"]
+
+
+@needs_fuse
+@needs_native
+def test_an_image_folders_probe_stays_under_the_byte_bound(image_folder: Path, capsys) -> None:
+    report, stats = _mounted_probe(image_folder, capsys, None, "--max-bytes", "100KiB")
+    whole = report["paths"]["whole"]
+    assert stats["bytes"] == report["bytes_read"] <= 100 << 10
+    assert stats["opens"] >= whole["reads"] and "--max-bytes" in whole["stopped"], whole

@@ -788,7 +788,8 @@ static PyObject *measure(PyObject *mod, PyObject *args) {
 typedef struct {
     char **paths;
     long long n;
-    atomic_llong next, errors, bytes;
+    atomic_llong next, errors, bytes, skipped;
+    atomic_llong left;  /* bytes the files may still take (max_bytes); a file that would pass it is not read */
     atomic_llong cpu_ns;
 } files_probe;
 
@@ -805,6 +806,12 @@ static void *files_worker(void *arg) {
         do fd = open(pr->paths[i], O_RDONLY | O_CLOEXEC); while (fd < 0 && errno == EINTR);
         struct stat st;
         if (fd < 0 || fstat(fd, &st) != 0) { atomic_fetch_add(&pr->errors, 1); if (fd >= 0) close(fd); continue; }
+        if (atomic_fetch_sub(&pr->left, (long long)st.st_size) < (long long)st.st_size) { /* over the bound: unread */
+            atomic_fetch_add(&pr->left, (long long)st.st_size);
+            atomic_fetch_add(&pr->skipped, 1);
+            close(fd);
+            continue;
+        }
         long long got = 0;
         for (;;) {
             ssize_t r;
@@ -824,7 +831,9 @@ static void *files_worker(void *arg) {
 static PyObject *measure_files(PyObject *mod, PyObject *args) {
     PyObject *paths_obj;
     int concurrency;
-    if (!PyArg_ParseTuple(args, "Oi", &paths_obj, &concurrency)) return NULL;
+    long long max_bytes = LLONG_MAX;
+    if (!PyArg_ParseTuple(args, "Oi|L", &paths_obj, &concurrency, &max_bytes)) return NULL;
+    if (max_bytes < 0) { PyErr_SetString(PyExc_ValueError, "max_bytes must not be negative"); return NULL; }
     if (concurrency < 1) { PyErr_SetString(PyExc_ValueError, "concurrency must be >= 1"); return NULL; }
     PyObject *seq = PySequence_Fast(paths_obj, "paths must be a sequence of paths");
     if (!seq) return NULL;
@@ -844,6 +853,8 @@ static PyObject *measure_files(PyObject *mod, PyObject *args) {
     atomic_init(&pr.next, 0);
     atomic_init(&pr.errors, 0);
     atomic_init(&pr.bytes, 0);
+    atomic_init(&pr.skipped, 0);
+    atomic_init(&pr.left, max_bytes);
     atomic_init(&pr.cpu_ns, 0);
     pthread_t *ts = calloc((size_t)concurrency, sizeof *ts);
     int started = 0;
@@ -866,8 +877,9 @@ static PyObject *measure_files(PyObject *mod, PyObject *args) {
     for (Py_ssize_t i = 0; i < n; i++) free(paths[i]);
     free(paths);
     double secs = (double)(t1.tv_sec - t0.tv_sec) + (double)(t1.tv_nsec - t0.tv_nsec) / 1e9;
-    return Py_BuildValue("(dLiLd)", secs, (long long)atomic_load(&pr.errors), started > 0 ? started : 1,
-                         (long long)atomic_load(&pr.bytes), (double)atomic_load(&pr.cpu_ns) / 1e9);
+    return Py_BuildValue("(dLiLdL)", secs, (long long)atomic_load(&pr.errors), started > 0 ? started : 1,
+                         (long long)atomic_load(&pr.bytes), (double)atomic_load(&pr.cpu_ns) / 1e9,
+                         (long long)atomic_load(&pr.skipped));
 fail:
     Py_XDECREF(seq);
     for (Py_ssize_t i = 0; i < n; i++) free(paths[i]);
@@ -1060,8 +1072,9 @@ static PyMethodDef module_methods[] = {
     {"measure", measure, METH_VARARGS,
      "measure(fd, mapping | None, offsets, size, concurrency[, align]) -> (seconds, errors, threads, seconds_dry, done_dry, cpu_seconds)"},
     {"measure_files", measure_files, METH_VARARGS,
-     "measure_files(paths, concurrency) -> (seconds, errors, threads, bytes, cpu_seconds): each file opened, "
-     "fstat'ed, read whole and closed by bare threads, concurrency at once"},
+     "measure_files(paths, concurrency[, max_bytes]) -> (seconds, errors, threads, bytes, cpu_seconds, skipped): "
+     "each file opened, fstat'ed, read whole and closed by bare threads, concurrency at once; a file whose size "
+     "would take the bytes read past max_bytes is closed unread (skipped)"},
     {"read_nowait", read_nowait, METH_VARARGS,
      "read_nowait(fd, ranges, max_bytes) -> [bytes, ...] | None: the ranges from the page cache now, else None"},
     {"direct_alignment", direct_alignment, METH_VARARGS,
