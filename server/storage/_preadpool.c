@@ -721,6 +721,29 @@ static void *probe_worker(void *arg) {
     return NULL;
 }
 
+/* `concurrency` threads of `worker(arg)`, waited for (none started: it runs on this thread);
+ * `t0` is set just before they start, `t1` once the last ends. Call without the GIL.
+ * Returns the threads started (at least 1: this one). */
+static int run_workers(void *(*worker)(void *), void *arg, int concurrency, size_t stack, struct timespec *t0,
+                       struct timespec *t1) {
+    pthread_t *ts = calloc((size_t)concurrency, sizeof *ts);
+    int started = 0;
+    clock_gettime(CLOCK_MONOTONIC, t0);
+    if (ts) {
+        pthread_attr_t attr;
+        pthread_attr_init(&attr);
+        pthread_attr_setstacksize(&attr, stack);
+        for (; started < concurrency; started++)
+            if (pthread_create(&ts[started], &attr, worker, arg) != 0) break;
+        pthread_attr_destroy(&attr);
+    }
+    if (started == 0) worker(arg);
+    for (int i = 0; i < started; i++) pthread_join(ts[i], NULL);
+    clock_gettime(CLOCK_MONOTONIC, t1);
+    free(ts);
+    return started > 0 ? started : 1;
+}
+
 static PyObject *measure(PyObject *mod, PyObject *args) {
     int fd, concurrency;
     PyObject *map_obj, *offsets_obj;
@@ -755,30 +778,18 @@ static PyObject *measure(PyObject *mod, PyObject *args) {
     atomic_init(&pr.done, 0);
     atomic_init(&pr.dry, 0);
     atomic_init(&pr.cpu_ns, 0);
-    pthread_t *ts = calloc((size_t)concurrency, sizeof *ts);
-    int started = 0;
+    int started;
     struct timespec t0, t1;
+    clock_gettime(CLOCK_MONOTONIC, &pr.t0); /* run_workers' own t0 is a moment later: the dry time counts from here */
     Py_BEGIN_ALLOW_THREADS
-    clock_gettime(CLOCK_MONOTONIC, &t0);
-    pr.t0 = t0;
-    if (ts) {
-        pthread_attr_t attr;
-        pthread_attr_init(&attr);
-        pthread_attr_setstacksize(&attr, 64 * 1024);
-        for (; started < concurrency; started++)
-            if (pthread_create(&ts[started], &attr, probe_worker, &pr) != 0) break;
-        pthread_attr_destroy(&attr);
-    }
-    if (started == 0) probe_worker(&pr);
-    for (int i = 0; i < started; i++) pthread_join(ts[i], NULL);
-    clock_gettime(CLOCK_MONOTONIC, &t1);
+    started = run_workers(probe_worker, &pr, concurrency, 64 * 1024, &t0, &t1);
     Py_END_ALLOW_THREADS
-    free(ts);
+    t0 = pr.t0;
     free(offs);
     if (m) mapping_release(m);
     double secs = (double)(t1.tv_sec - t0.tv_sec) + (double)(t1.tv_nsec - t0.tv_nsec) / 1e9;
     double dry = (double)(pr.t_dry.tv_sec - t0.tv_sec) + (double)(pr.t_dry.tv_nsec - t0.tv_nsec) / 1e9;
-    return Py_BuildValue("(dLidLd)", secs, (long long)atomic_load(&pr.errors), started > 0 ? started : 1, dry,
+    return Py_BuildValue("(dLidLd)", secs, (long long)atomic_load(&pr.errors), started, dry,
                          pr.done_at_dry, (double)atomic_load(&pr.cpu_ns) / 1e9);
 }
 
@@ -856,28 +867,15 @@ static PyObject *measure_files(PyObject *mod, PyObject *args) {
     atomic_init(&pr.skipped, 0);
     atomic_init(&pr.left, max_bytes);
     atomic_init(&pr.cpu_ns, 0);
-    pthread_t *ts = calloc((size_t)concurrency, sizeof *ts);
-    int started = 0;
+    int started;
     struct timespec t0, t1;
     Py_BEGIN_ALLOW_THREADS
-    clock_gettime(CLOCK_MONOTONIC, &t0);
-    if (ts) {
-        pthread_attr_t attr;
-        pthread_attr_init(&attr);
-        pthread_attr_setstacksize(&attr, 128 * 1024);
-        for (; started < concurrency; started++)
-            if (pthread_create(&ts[started], &attr, files_worker, &pr) != 0) break;
-        pthread_attr_destroy(&attr);
-    }
-    if (started == 0) files_worker(&pr);
-    for (int i = 0; i < started; i++) pthread_join(ts[i], NULL);
-    clock_gettime(CLOCK_MONOTONIC, &t1);
+    started = run_workers(files_worker, &pr, concurrency, 128 * 1024, &t0, &t1);
     Py_END_ALLOW_THREADS
-    free(ts);
     for (Py_ssize_t i = 0; i < n; i++) free(paths[i]);
     free(paths);
     double secs = (double)(t1.tv_sec - t0.tv_sec) + (double)(t1.tv_nsec - t0.tv_nsec) / 1e9;
-    return Py_BuildValue("(dLiLdL)", secs, (long long)atomic_load(&pr.errors), started > 0 ? started : 1,
+    return Py_BuildValue("(dLiLdL)", secs, (long long)atomic_load(&pr.errors), started,
                          (long long)atomic_load(&pr.bytes), (double)atomic_load(&pr.cpu_ns) / 1e9,
                          (long long)atomic_load(&pr.skipped));
 fail:
