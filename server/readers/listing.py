@@ -72,8 +72,13 @@ class Progress:
             self.say(f"opened {self.what}: {self.files:,} files in {self.folders:,} folders listed in {elapsed:.1f} s")
 
     def say(self, line: str) -> None:
-        self.lines.append(line)
-        log.info("%s", line)
+        _say(self.lines, line)
+
+
+def _say(lines: list[str], line: str) -> None:
+    """A progress line: logged, and kept (what tests and callers read back)."""
+    lines.append(line)
+    log.info("%s", line)
 
 
 @dataclass
@@ -104,16 +109,13 @@ class FilesProgress:
                 return
             self.last = now
             rate = self.done / max(now - self.started, 1e-9)
-            self._say(f"opening {self.what}: {self.done:,} of {self.total:,} {self.kind} read, {rate:,.1f} a second, "
+            _say(self.lines, f"opening {self.what}: {self.done:,} of {self.total:,} {self.kind} read, {rate:,.1f} a second, "
                       f"about {(self.total - self.done) / rate:,.0f} s left")
 
     def finish(self) -> None:
         if self.lines:  # only an open slow enough to report progress reports its end
-            self._say(f"opened {self.what}: {self.total:,} {self.kind} read in {self.clock() - self.started:.1f} s")
+            _say(self.lines, f"opened {self.what}: {self.total:,} {self.kind} read in {self.clock() - self.started:.1f} s")
 
-    def _say(self, line: str) -> None:
-        self.lines.append(line)
-        log.info("%s", line)
 
 
 def list_tree(store: Store, root: str, progress: Progress, threads: int = LIST_THREADS) -> Tree:
