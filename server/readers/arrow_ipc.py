@@ -25,7 +25,7 @@ import collections
 import functools
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -50,6 +50,27 @@ ARROW_SUFFIXES = (".arrow", ".arrows", ".feather", ".ipc")
 WHOLE_BATCH_CACHE_BYTES = 256 << 20
 #: Rounds of structural page loads one row may need (one per level of list nesting).
 _MAX_ROUNDS = 16
+
+
+class _Merged:
+    """The completions of one group's files, which land at once, handed on as one call
+    once the last is in (rows needing no read with them)."""
+
+    __slots__ = ("done", "left", "results")
+
+    def __init__(self, done: Callable[[list], None]):
+        self.done = done
+        self.left = 1  # held until every file is submitted (`release`)
+        self.results: list = []
+
+    def __call__(self, results: list) -> None:
+        self.results += results
+        self.left -= 1
+        if self.left == 0 and self.results:
+            self.done(self.results)
+
+    def release(self, known: list) -> None:
+        self(known)
 
 
 @dataclass
@@ -404,7 +425,14 @@ class TableReader(Reader):
                 group[0].extend([(o, s) for o, s, _ in w.fetch])
             group[1].append((pos, item, w.fetch, b, r))
         held = self._held
+        merged = None
+        if not by_rows and len(groups) + bool(known) > 1:
+            # The group's files land at once (the same turn of the loop): one completion for
+            # them all, not one per file (a batch of 64 rows spans most of a dataset's files).
+            done = merged = _Merged(done)
         for f, (ranges, rows) in groups.items():
+            if merged is not None:
+                merged.left += 1  # this file's completion to come
             if held:  # every byte in the server's memory: the rows now, no completion to wait for
                 parts = self.store.held_ranges(self.files[f], ranges)
                 if parts is not None:
@@ -417,7 +445,11 @@ class TableReader(Reader):
                 ranges = [rng for row in ranges for rng in row]
             if not self.store.submit_ranges(self.files[f], ranges, functools.partial(self._landed, f, rows, done)):
                 cold.extend(row[0] for row in rows)
-        if known:
+                if merged is not None:
+                    merged.left -= 1  # none will come
+        if merged is not None:
+            merged.release(known)
+        elif known:
             done(known)
         return cold
 
