@@ -367,3 +367,56 @@ def test_the_native_pool_takes_a_groups_ranges_in_one_call_and_each_lands_as_its
         os.close(fd)
         if direct:
             os.close(direct.fd)
+
+
+def test_a_groups_rows_from_several_files_complete_in_one_call_where_reads_land_at_once(tmp_path: Path) -> None:
+    # A batch's rows span most of a dataset's files; where reads land at once (a local file
+    # system) the group's files complete as one call, not one per file, every row in it once;
+    # a file whose store call refuses leaves its rows cold and the others still complete.
+    from croupier.server.readers import open_dataset
+
+    (tmp_path / "parts").mkdir()
+    for k in range(4):  # ids run on across the files: row r is id r; text 100 bytes a row, read by range
+        t = pa.table({"id": pa.array(range(40 * k, 40 * k + 40), pa.int64()),
+                      "text": [f"{i:0100d}" for i in range(40 * k, 40 * k + 40)]})
+        with ipc.new_file(str(tmp_path / "parts" / f"part-{k:04d}.arrow"), t.schema) as w:
+            w.write_table(t, max_chunksize=20)
+
+    reads = [0]
+
+    async def go(refuse: str | None) -> tuple[list, list[int], list[int]]:
+        store = LocalStore(io_threads=4)
+        reader = open_dataset(tmp_path / "parts", name="parts", store=store)
+        try:
+            for i in range(0, len(reader), 20):  # every batch's structural pages cached: rows warm
+                await reader.read(i)
+            inner = reader.store.submit_ranges
+            reads[0] = 0
+
+            def submit(path: str, ranges: Any, cb: Any) -> bool:
+                reads[0] += 1
+                return False if refuse is not None and path.endswith(refuse) else inner(path, ranges, cb)
+            reader.store.submit_ranges = submit  # type: ignore[method-assign]
+            calls: list = []
+            landed = asyncio.Event()
+
+            def done(results: list) -> None:
+                calls.append(results)
+                landed.set()
+            rows = [3, 45, 87, 129, 10, 50, 90, 130]  # two rows of each of the four files
+            cold = list(reader.start_reads(rows, (), done))
+            await asyncio.wait_for(landed.wait(), 10)
+            await asyncio.sleep(0.05)  # a second call, were there one, would have come by now
+            return calls, [rows[p] for p in cold], rows
+        finally:
+            reader.close()
+            store.close()
+
+    calls, cold, rows = asyncio.run(go(None))
+    assert len(calls) == 1 and not cold, calls
+    got = sorted((rows[pos], item.index) for pos, item, err in calls[0] if err is None)
+    assert got == [(r, r) for r in sorted(rows)] and len(calls[0]) == len(rows)
+    assert reads[0] == 4  # one store call per file, and every row needed one
+    calls, cold, rows = asyncio.run(go("part-0001.arrow"))
+    assert len(calls) == 1 and sorted(cold) == [45, 50], (calls, cold)
+    assert sorted(rows[pos] for pos, _, _ in calls[0]) == sorted(r for r in rows if r not in (45, 50))
