@@ -10,8 +10,10 @@ completions count each sample, whether a group's come in one call or several.
 How a group lands depends on the storage (`ArrowIPCReader.start_reads`). Where reads
 land at once (files on a local block or memory file system, or every byte of them held in
 the server's memory cache: `Store.held_in_memory`, asked by the issuer at each batch, so a
-fill that ends mid-epoch switches) the group is one `submit_ranges` with one completion
-(held in memory: one `held_ranges`, complete before the reader returns); there the server
+fill that ends mid-epoch switches) the group is one `submit_ranges` per file and one
+completion for all its files (held in memory: one `held_ranges`, complete before the reader
+returns; a batch's rows span most of a dataset's files, and a completion per file cost
+its settling once per two or three rows of the real suite's 16 files); there the server
 is CPU-bound, and a group cut its CPU per text row about in half, with twice the rows/s
 (bench/results/cpu_per_sample.md). Elsewhere (a FUSE mount, reads of
 milliseconds) the group is one `submit_rows`: its reads start together, and each row is
