@@ -393,6 +393,13 @@ def probe_whole_files(target: str, images: list[str], *, max_bytes: int, max_con
         """(seconds, files read) of `batch` read whole c at a time, within the byte bound."""
         secs, errors, _, nbytes, cpu, skipped = native.measure_files(batch, c, left[0])
         if errors:
+            for path in batch:  # name one: the threads only counted them
+                try:
+                    with open(path, "rb") as f:
+                        f.read(1)
+                except OSError as e:
+                    raise ProbeError(f"{path}: cannot read it ({e.strerror}); {errors} of {len(batch)} image "
+                                     "file(s) in this step failed") from None
             raise ProbeError(f"{target}: {errors} of {len(batch)} image file(s) could not be opened or read")
         left[0] -= nbytes
         result.bytes += nbytes
@@ -405,6 +412,8 @@ def probe_whole_files(target: str, images: list[str], *, max_bytes: int, max_con
         for path in [p for _, p in zip(range(WHOLE_LATENCY_FILES), it)]:
             got = read([path], 1)
             if got is None:
+                result.stopped = "--max-bytes reached before a file was read" if not result.latencies_s else \
+                    f"--max-bytes reached after {len(result.latencies_s)} files one at a time"
                 break
             result.latencies_s.append(got[0])
             bar.update(1)

@@ -205,3 +205,15 @@ def test_an_image_folders_probe_stays_under_the_byte_bound(image_folder: Path, c
     whole = report["paths"]["whole"]
     assert stats["bytes"] == report["bytes_read"] <= 100 << 10
     assert stats["opens"] >= whole["reads"] and "--max-bytes" in whole["stopped"], whole
+
+
+@needs_native
+def test_an_unreadable_image_is_named(tmp_path: Path, capsys) -> None:
+    folder = tmp_path / "imgs" / "cls"
+    folder.mkdir(parents=True)
+    for i in range(40):
+        (folder / f"{i:03d}.jpg").write_bytes(b"x" * 500)
+    (folder / "010.jpg").unlink()
+    (folder / "010.jpg").symlink_to(tmp_path / "nowhere.jpg")  # listed, cannot be opened
+    rc, _, err = _probe(capsys, str(tmp_path / "imgs"))
+    assert rc == 2 and "010.jpg: cannot read it (No such file or directory)" in err, err

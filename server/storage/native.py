@@ -301,7 +301,7 @@ class _Rows:
         self.rows = rows
         self.left = list(map(len, rows))  # ranges still out per row; 0 once handed over
         self.parts: dict[int, list[bytes | None]] = {}  # rows of several ranges, some landed
-        self.single = max(self.left, default=0) == 1  # every row one range: the common case, no parts lists
+        self.single = bool(rows) and min(self.left) == max(self.left) == 1  # every row one range: the common case
         #: Every row's ranges in row order, range i as the pool's token `base + i`; for rows of
         #: several ranges, range i's (row, index in the row).
         self.flat = [r[0] for r in rows] if self.single else [rg for r in rows for rg in r]
