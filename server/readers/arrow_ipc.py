@@ -424,6 +424,13 @@ class TableReader(Reader):
             else:
                 group[0].extend([(o, s) for o, s, _ in w.fetch])
             group[1].append((pos, item, w.fetch, b, r))
+        self._submit_groups(groups, known, by_rows, done, cold)
+        return cold
+
+    def _submit_groups(self, groups: dict[int, tuple[list, list]], known: list, by_rows: bool, done,
+                       cold: list[int]) -> None:
+        """Each file's warm rows of a group in one store call (see `start_reads`); the rows
+        of a file the store would not take, left in `cold`."""
         held = self._held
         merged = None
         if not by_rows and len(groups) + bool(known) > 1:
@@ -451,7 +458,6 @@ class TableReader(Reader):
             merged.release(known)
         elif known:
             done(known)
-        return cold
 
     def _rows_landed(self, f: int, rows: list, done, landed: list) -> None:
         """Some of a group's rows are in (`Store.submit_rows`): each one's item, or the error naming it."""
