@@ -17,11 +17,15 @@ from .sizing import CacheSizes
 log = logging.getLogger("croupier.server.cache")
 
 #: Blocks read at once by fills (and disk-tier reads), over the whole server. A fill's
-#: O_DIRECT block is one FUSE request (fill.open_for_fill), so 8 leave 4 of a kernel-default
-#: mount's 12 background slots to others. The real suite's text case on that mount (5 ms,
-#: alternating runs): 26,001-38,062 rows/s with 8, 16,746-17,636 with 4 (40,515 with 16);
-#: through an s3fs mount of a 20 ms bucket 18,963-32,330 against 11,874-13,039.
-FILL_IN_FLIGHT = 8
+#: O_DIRECT block is one FUSE request (fill.open_for_fill); a row read directly meanwhile is
+#: a page fault on such a mount (outside its 12 background slots) or a pread of a raised one.
+#: The real suite's text cases, alternating runs of 8 and 16 (2026-11-28, 8ab4776): through
+#: an s3fs mount of a 20 ms bucket 3,198-28,048 rows/s with 8 against 36,369-40,962 with 16
+#: (four pairs); latencyfs at 5 ms with the kernel's defaults 35,021-37,072 against
+#: 41,341-42,281, raised 40,413 against 44,074, through rclone level (41,409-43,107 against
+#: 39,578-44,329), larger than memory (a 10% cache) level (9,077 against 9,678). 4 made
+#: 16,746-17,636 on the kernel-default mount where 8 made 26,001-38,062.
+FILL_IN_FLIGHT = 16
 
 
 class CacheStats:
