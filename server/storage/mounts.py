@@ -50,15 +50,15 @@ _CLIENT_SOURCES = {"s3fs": "s3fs", "mountpoint-s3": "mountpoint-s3", "blobfuse2"
 _RCLONE_SCHEMES = {"s3": "s3", "google cloud storage": "gs", "gcs": "gs", "azureblob": "az"}
 
 #: What a measurement says serving the URL gains over the mount, per client: only what
-#: was measured (the real suite, bench/results/real.md at b1d36e4: a loopback store at 20 ms
+#: was measured (the real suite, bench/results/real.md at e7d31f0: a loopback store at 20 ms
 #: a request, 2 ranks on 2 cores; docs/DESIGN.md section 5.9).
 MEASURED_GAIN = {
-    "rclone": "measured on a 20 ms store, croupier on s3:// served 7,556 images/s, against 256 through `rclone mount` "
+    "rclone": "measured on a 20 ms store, croupier on s3:// served 8,988 images/s, against 259 through `rclone mount` "
     "with its defaults (a HEAD and a GET an image, 12 at once); text rows that fit croupier's cache are read into it "
-    "whole and served from memory either way (32,697 and 34,177 rows/s)",
-    "s3fs": "measured on a 20 ms store, croupier on s3:// served 7,556 images/s, against 60 through `s3fs` with its "
-    "defaults (about 21 requests to the bucket an image); text rows that fit croupier's cache: 32,697 rows/s on s3:// "
-    "against 21,703 through the mount",
+    "whole and served from memory either way (45,627 and 42,414 rows/s)",
+    "s3fs": "measured on a 20 ms store, croupier on s3:// served 8,988 images/s, against 61 through `s3fs` with its "
+    "defaults (about 20 requests to the bucket an image); text rows that fit croupier's cache: 45,627 rows/s on s3:// "
+    "against 25,618 through the mount",
 }
 
 
