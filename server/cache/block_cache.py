@@ -24,7 +24,9 @@ log = logging.getLogger("croupier.server.cache")
 #: (four pairs); latencyfs at 5 ms with the kernel's defaults 35,021-37,072 against
 #: 41,341-42,281, raised 40,413 against 44,074, through rclone level (41,409-43,107 against
 #: 39,578-44,329), larger than memory (a 10% cache) level (9,077 against 9,678). 4 made
-#: 16,746-17,636 on the kernel-default mount where 8 made 26,001-38,062.
+#: 16,746-17,636 on the kernel-default mount where 8 made 26,001-38,062. 32 against 16: through
+#: s3fs 43,465-45,159 against 29,522-35,893 and the kernel-default mount 47,313 against 44,051, but
+#: rclone 43,094 against 52,119 and larger than memory 5,576 against 9,952 (its 10% cache thrashed).
 FILL_IN_FLIGHT = 16
 
 
