@@ -114,6 +114,30 @@ async def _drive_pool(pool, fds: list[int], reads: int, in_flight: int, size: in
     return await keep_in_flight(start, reads, in_flight)
 
 
+def _ranges_one_by_one(pool_type: type) -> type:
+    """A pool of a revision before `Pool.submit_ranges` (90984fd), driven by today's
+    NativeReadPool: its ranges handed over one call each, as that revision's Python did."""
+
+    class OneByOne:
+        def __init__(self, max_threads: int):
+            self._pool = pool_type(max_threads)
+
+        def __getattr__(self, name: str):
+            return getattr(self._pool, name)
+
+        def submit_ranges(self, token0: int, target, ranges, align: int = 0) -> None:
+            if not isinstance(target, int):
+                raise TypeError("a pool of an earlier revision reads a mapping of its own module only: "
+                                "--against runs preads")
+            for i, (offset, size) in enumerate(ranges):
+                if align > 0:
+                    self._pool.submit_direct(token0 + i, target, offset, size, align)
+                else:
+                    self._pool.submit(token0 + i, target, offset, size)
+
+    return OneByOne
+
+
 def child(args: argparse.Namespace) -> int:
     import uvloop
 
@@ -123,7 +147,7 @@ def child(args: argparse.Namespace) -> int:
         spec = importlib.util.spec_from_file_location("_preadpool", args.pool_so)
         mod = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
         spec.loader.exec_module(mod)  # type: ignore[union-attr]
-        native._NativePool = mod.Pool
+        native._NativePool = mod.Pool if hasattr(mod.Pool, "submit_ranges") else _ranges_one_by_one(mod.Pool)
     pool = native.NativeReadPool(args.in_flight * 2)
     fds = [os.open(f, os.O_RDONLY) for f in args.files]
     for fd in fds:

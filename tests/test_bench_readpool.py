@@ -105,3 +105,19 @@ def test_the_image_floor_reads_each_file_whole_through_the_storage_at_the_concur
     seconds, errors, threads, nbytes, cpu, skipped = native.measure_files([str(p) for p in sorted(src.iterdir())], 4,
                                                                           sum(sizes[:10]))
     assert errors == 0 and nbytes <= sum(sizes[:10]) and skipped > 0 and nbytes > 0
+
+
+@pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None, reason="no C compiler")
+def test_a_pool_of_a_revision_before_submit_ranges_is_still_driven_by_the_child(tmp_path: Path, blobs: list[Path]) -> None:
+    # `--against REV` compiles REV's pool: one from before Pool.submit_ranges (6d9c863) takes
+    # its ranges one call each, as its own revision's Python did.
+    try:
+        so = readpool.build_pool("6d9c863", tmp_path)
+    except subprocess.CalledProcessError as exc:
+        pytest.skip(f"revision 6d9c863 is not in this clone's history: {exc}")
+    r = subprocess.run([sys.executable, "-m", "croupier.bench.readpool", "--child", "--reads", "300", "--in-flight", "16",
+                        "--size", "100", "--pool-so", str(so), *map(str, blobs)], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["reads"] == 300 and out["read_threads_s"] >= 0
