@@ -1,5 +1,5 @@
 """The third read path: a pinned file opened a second time with O_DIRECT, read on the native
-pool's threads in aligned ranges (server/storage/_preadpool.c `submit_direct`), and chosen
+pool's threads in aligned ranges (server/storage/_preadpool.c `submit_ranges` with an alignment), and chosen
 per mount by the same rule as the others (server/storage/readpath.py).
 
 Real FUSE mounts (bench/latencyfs.py) count the requests each read issues and their sizes;

@@ -15,7 +15,11 @@
  * to a kernel worker thread, which blocks like ours, plus its own bookkeeping.
  *
  * Pool(max_threads) -> pool
- *   pool.submit(token, fd, offset, size)        pread on an open fd
+ *   pool.submit_ranges(token0, fd | mapping, [(offset, size), ...][, align])
+ *                                               range i as token0 + i: preads of an open fd,
+ *                                               copies out of a read-only mapping (see below),
+ *                                               or (align > 0) reads of an fd opened with
+ *                                               O_DIRECT (see below); one call for them all
  *   pool.submit_path(token, path, offset, size[, roots])
  *                                               open + pread + close (size -1: whole file);
  *                                               with roots, -EXDEV if the file opened lies
@@ -25,17 +29,13 @@
  *   pool.submit_identify(token, path[, roots])   which file `path` names now, without
  *                                               reading it: (real, dev, ino, size, mtime_ns)
  *                                               (opened O_PATH: no open request on FUSE)
- *   pool.submit_map(token, mapping, offset, size)
- *                                               a copy out of a read-only mapping (see below)
- *   pool.submit_direct(token, fd, offset, size, align)
- *                                               a read of an fd opened with O_DIRECT (see below)
  *   pool.fileno() -> eventfd, readable when completions wait
  *   pool.drain() -> [(token, bytes | tuple | -errno), ...]
  *   pool.close()
  * Threads start on demand, up to max_threads, and stay.
  *
  * The second read path: Mapping(fd) maps a file read-only (MADV_RANDOM: a row faults in
- * its own page, not 128 KB of read-around), and submit_map copies a range out of it on a
+ * its own page, not 128 KB of read-around), and submit_ranges copies ranges out of it on a
  * pool thread, so the page faults are taken there, never on the event loop. Why: on FUSE
  * a buffered pread reaches the daemon as a *background* request, capped per mount by
  * max_background (kernel default 12), while a page fault is a synchronous request,
@@ -46,7 +46,7 @@
  * truncated file), or EIO; a SIGBUS outside a guarded copy goes to the handler that was
  * there before. A range past the mapped length (the file grew) is read with pread.
  *
- * The third path: submit_direct reads an fd opened with O_DIRECT (no page cache; on FUSE
+ * The third path: submit_ranges with an align reads an fd opened with O_DIRECT (no page cache; on FUSE
  * each read goes to the daemon as one request of the size asked, not page by page). O_DIRECT
  * wants offset and size aligned (ext4, xfs: the logical block, 512 or 4096; FUSE: nothing),
  * and the buffer too: the thread reads the `align`-aligned range around the asked bytes
@@ -419,33 +419,6 @@ static int enqueue(Pool *p, job *j) {
     return 0;
 }
 
-static PyObject *Pool_submit(Pool *p, PyObject *args) {
-    long long token, offset, size;
-    int fd;
-    if (!PyArg_ParseTuple(args, "LiLL", &token, &fd, &offset, &size)) return NULL;
-    if (fd < 0 || offset < 0) { PyErr_SetString(PyExc_ValueError, "fd and offset must not be negative"); return NULL; }
-    job *j = calloc(1, sizeof *j);
-    if (!j) return PyErr_NoMemory();
-    j->token = token; j->fd = fd; j->offset = offset; j->size = size;
-    if (enqueue(p, j) != 0) { free(j); PyErr_SetString(PyExc_RuntimeError, "the read pool is closed"); return NULL; }
-    Py_RETURN_NONE;
-}
-
-static PyObject *Pool_submit_direct(Pool *p, PyObject *args) {
-    long long token, offset, size, align;
-    int fd;
-    if (!PyArg_ParseTuple(args, "LiLLL", &token, &fd, &offset, &size, &align)) return NULL;
-    if (fd < 0 || offset < 0 || align < 1) {
-        PyErr_SetString(PyExc_ValueError, "fd and offset must not be negative, align at least 1");
-        return NULL;
-    }
-    job *j = calloc(1, sizeof *j);
-    if (!j) return PyErr_NoMemory();
-    j->token = token; j->fd = fd; j->offset = offset; j->size = size; j->align = align;
-    if (enqueue(p, j) != 0) { free(j); PyErr_SetString(PyExc_RuntimeError, "the read pool is closed"); return NULL; }
-    Py_RETURN_NONE;
-}
-
 /* The smallest of 1, 512, 4096 that `fd` (opened with O_DIRECT) accepts as offset and size
  * alignment, by a test read at an offset of that alignment; 4096 when the file is too small
  * to tell (a short read at its end would prove nothing). */
@@ -581,33 +554,13 @@ static PyTypeObject MappingType = {
     .tp_name = "croupier.server.storage._preadpool.Mapping",
     .tp_basicsize = sizeof(Mapping),
     .tp_flags = Py_TPFLAGS_DEFAULT,
-    .tp_doc = "Mapping(fd): a read-only MAP_SHARED mapping of the file (MADV_RANDOM), for submit_map.",
+    .tp_doc = "Mapping(fd): a read-only MAP_SHARED mapping of the file (MADV_RANDOM), for submit_ranges.",
     .tp_new = PyType_GenericNew,
     .tp_init = (initproc)Mapping_init,
     .tp_dealloc = (destructor)Mapping_dealloc,
     .tp_methods = Mapping_methods,
     .tp_getset = Mapping_getset,
 };
-
-static PyObject *Pool_submit_map(Pool *p, PyObject *args) {
-    long long token, offset, size;
-    Mapping *mo;
-    if (!PyArg_ParseTuple(args, "LO!LL", &token, &MappingType, &mo, &offset, &size)) return NULL;
-    if (offset < 0) { PyErr_SetString(PyExc_ValueError, "offset must not be negative"); return NULL; }
-    if (!mo->m) { PyErr_SetString(PyExc_ValueError, "the mapping is closed"); return NULL; }
-    job *j = calloc(1, sizeof *j);
-    if (!j) return PyErr_NoMemory();
-    j->token = token; j->fd = -1; j->offset = offset; j->size = size;
-    j->map = mo->m;
-    atomic_fetch_add(&j->map->refs, 1);
-    if (enqueue(p, j) != 0) {
-        mapping_release(j->map);
-        free(j);
-        PyErr_SetString(PyExc_RuntimeError, "the read pool is closed");
-        return NULL;
-    }
-    Py_RETURN_NONE;
-}
 
 /* Many ranges of one file in one call (issue 21 item 4: one crossing of the native boundary
  * per group of rows, not one per range): `target` a Mapping (copies out of it), or an fd
@@ -986,15 +939,11 @@ static void Pool_dealloc(Pool *p) {
 }
 
 static PyMethodDef Pool_methods[] = {
-    {"submit", (PyCFunction)Pool_submit, METH_VARARGS, "submit(token, fd, offset, size): pread on a thread"},
     {"submit_path", (PyCFunction)Pool_submit_path, METH_VARARGS, "submit_path(token, path, offset, size[, roots]): open, check, pread, close"},
     {"submit_whole", (PyCFunction)Pool_submit_whole, METH_VARARGS,
      "submit_whole(token, path[, roots]): the whole file and which it was: (bytes, real, dev, ino, size, mtime_ns)"},
     {"submit_identify", (PyCFunction)Pool_submit_identify, METH_VARARGS,
      "submit_identify(token, path[, roots]): which file path names now, unread: (real, dev, ino, size, mtime_ns)"},
-    {"submit_map", (PyCFunction)Pool_submit_map, METH_VARARGS, "submit_map(token, mapping, offset, size): copy out of a Mapping on a thread"},
-    {"submit_direct", (PyCFunction)Pool_submit_direct, METH_VARARGS,
-     "submit_direct(token, fd, offset, size, align): read an O_DIRECT fd in align-aligned ranges on a thread"},
     {"submit_ranges", (PyCFunction)Pool_submit_ranges, METH_VARARGS,
      "submit_ranges(token0, mapping or fd, [(offset, size), ...][, align]): range i as token0 + i, one call"},
     {"drain", (PyCFunction)Pool_drain, METH_NOARGS, "drain() -> [(token, bytes or -errno)]"},

@@ -103,7 +103,7 @@ class NativeReadPool:
     def pread(self, fd: int, offset: int, size: int) -> asyncio.Future[bytes]:
         """`size` bytes at `offset` of open file `fd` (-1: to the end); fewer at the end."""
         token, fut = self._future()
-        self._pool.submit(token, fd, offset, size)
+        self._pool.submit_ranges(token, fd, ((offset, size),))
         return fut
 
     def map_read(self, mapping: Any, offset: int, size: int) -> asyncio.Future[bytes]:
@@ -111,14 +111,14 @@ class NativeReadPool:
         which takes the page faults; fewer at the end of the file (also one truncated
         under the mapping)."""
         token, fut = self._future()
-        self._pool.submit_map(token, mapping, offset, size)
+        self._pool.submit_ranges(token, mapping, ((offset, size),))
         return fut
 
     def direct_read(self, direct: DirectFile, offset: int, size: int) -> asyncio.Future[bytes]:
         """`size` bytes at `offset` of a file opened with O_DIRECT (the aligned range around
         them read into an aligned buffer on a pool thread); fewer at the end of the file."""
         token, fut = self._future()
-        self._pool.submit_direct(token, direct.fd, offset, size, direct.align)
+        self._pool.submit_ranges(token, direct.fd, ((offset, size),), direct.align)
         return fut
 
     def pread_path(self, path: str, offset: int, size: int, roots: bytes | None = None) -> asyncio.Future[bytes]:
