@@ -359,22 +359,26 @@ def _file_latencies(result: PathResult, pages: Pages, budget: Budget, row_bytes:
             bar.update(1)
 
 
-def image_files(target: str) -> tuple[list[str], int]:
-    """An ImageFolder's image paths under folder `target` (at most MAX_IMAGE_NAMES, names
-    only: the listing's entry types, no stat), and how many other files it met."""
-    images: list[str] = []
-    others = 0
+def _names(target: str) -> Iterator[str]:
+    """The non-hidden files' paths under folder `target`, folders in sorted order (by the
+    listing's names and types: no stat)."""
     for folder, dirs, names in os.walk(target, onerror=None):
         dirs[:] = sorted(d for d in dirs if not d.startswith("."))
-        for name in sorted(names):
-            if name.startswith("."):
-                continue
-            if is_image_name(name):
-                images.append(os.path.join(folder, name))
-                if len(images) >= MAX_IMAGE_NAMES:
-                    return images, others
-            else:
-                others += 1
+        yield from (os.path.join(folder, name) for name in sorted(names) if not name.startswith("."))
+
+
+def image_files(target: str) -> tuple[list[str], int]:
+    """An ImageFolder's image paths under folder `target` (at most MAX_IMAGE_NAMES, names
+    only: no stat), and how many other files it met."""
+    images: list[str] = []
+    others = 0
+    for path in _names(target):
+        if not is_image_name(path):
+            others += 1
+            continue
+        images.append(path)
+        if len(images) >= MAX_IMAGE_NAMES:
+            break
     return images, others
 
 
@@ -437,24 +441,18 @@ def probe_whole_files(target: str, images: list[str], *, max_bytes: int, max_con
     limits = mount.fuse_limits()
     known = f", max_background={limits['max_background']}" if "max_background" in limits else ""
     mean = result.bytes / result.reads if result.reads else 0
+    # Whole-file reads as the rule sees preads: capped when they stop well short of what the
+    # server asks (its probe's concurrency, or --max-concurrency when lower), not for want of
+    # CPU; a local disk caps nothing.
+    peak = max(result.sweep, key=lambda cr: cr[1])[0] if result.sweep else 1
     choice = readpath.Choice(mount, "pread", "measured", asked=max_concurrency, latency_s=result.mean_latency_s,
                              rates={"pread": result.peak_rate}, ceilings={"pread": result.ceiling},
-                             probe_concurrency=result.knee)
-    remedies = _file_remedies(target, choice, max_concurrency, capped=_whole_capped(result, mount, max_concurrency))
+                             probe_concurrency=min(max_concurrency, readpath.PROBE_CONCURRENCY) if result.sweep else 0,
+                             cpu_cores={"pread": result.cpu_cores.get(peak, 0.0)})
+    remedies = _file_remedies(target, choice, max_concurrency, capped=not mount.is_local and choice.capped())
     return Report(target, f"{mount.fs_type} at {mount.point}{known}", len(images), round(mean), "images", max_bytes,
                   {"whole": result}, "whole", "an ImageFolder: each image file read whole, open, read and close, as "
                   "the server reads it", remedies)
-
-
-def _whole_capped(result: PathResult, mount: readpath.Mount, max_concurrency: int) -> bool:
-    """Whole-file reads stopped rising well short of what the server asks (its probe's
-    concurrency, or less when --max-concurrency is lower), on storage that caps requests
-    (not a local disk) and not for want of CPU (page-cached files: the reads are CPU-bound)."""
-    if not result.sweep or mount.is_local:
-        return False
-    peak = max(result.sweep, key=lambda cr: cr[1])[0]
-    return (result.ceiling < readpath._UNCAPPED_SHARE * min(max_concurrency, readpath.PROBE_CONCURRENCY)
-            and result.cpu_cores.get(peak, 0.0) < readpath._CPU_BOUND_CORES)
 
 
 def list_files(target: str) -> list[tuple[str, int]]:
@@ -468,15 +466,12 @@ def list_files(target: str) -> list[tuple[str, int]]:
     if not os.access(target, os.R_OK | os.X_OK):
         raise ProbeError(f"{target}: cannot list it (permission denied)")
     out: list[tuple[str, int]] = []
-    for folder, dirs, names in os.walk(target, onerror=None):
-        dirs[:] = sorted(d for d in dirs if not d.startswith("."))
-        for name in sorted(names):
-            p = os.path.join(folder, name)
-            if name.startswith(".") or not os.path.isfile(p):
-                continue
-            out.append((p, os.stat(p).st_size))
-            if len(out) >= MAX_FILES:
-                return out
+    for p in _names(target):
+        if not os.path.isfile(p):
+            continue
+        out.append((p, os.stat(p).st_size))
+        if len(out) >= MAX_FILES:
+            break
     return out
 
 

@@ -117,7 +117,6 @@ class FilesProgress:
             _say(self.lines, f"opened {self.what}: {self.total:,} {self.kind} read in {self.clock() - self.started:.1f} s")
 
 
-
 def list_tree(store: Store, root: str, progress: Progress, threads: int = LIST_THREADS) -> Tree:
     """Every folder under `root` (links to folders followed, as os.walk(followlinks=True)
     and torchvision do), listed by name, `threads` listings at once."""

@@ -114,17 +114,12 @@ class ObjectStoreMount:
             f"({self.mount.fs_type}, source {self.mount.source}, client {self.client}); every file read goes through "
             "the client's requests and the kernel's FUSE queue"
         )
-        if self.url is None:
-            limit = CLIENT_LIMITS.get(self.client)
-            return (f"{head}; could not derive the bucket URL to serve instead ({self.note})"
-                    + (f"; to keep the mount: {limit}" if limit else ""))
-        gain = MEASURED_GAIN.get(self.client)
         limit = CLIENT_LIMITS.get(self.client)
-        return (
-            f"{head}; serve {self.url} instead{f' ({self.note})' if self.note else ''}"
-            + (f": {gain}" if gain else "")
-            + (f"; to keep the mount: {limit}" if limit else "")
-        )
+        keep = f"; to keep the mount: {limit}" if limit else ""
+        if self.url is None:
+            return f"{head}; could not derive the bucket URL to serve instead ({self.note}){keep}"
+        gain = MEASURED_GAIN.get(self.client)
+        return f"{head}; serve {self.url} instead{f' ({self.note})' if self.note else ''}{f': {gain}' if gain else ''}{keep}"
 
 
 def unescape(field: str) -> str:
