@@ -90,6 +90,51 @@ def test_epoch_rates_run_from_the_first_rank_starting_to_the_last_batch() -> Non
     assert first_batch_s([r0, r1]) == pytest.approx(1.0)
 
 
+def test_a_later_epochs_clock_starts_when_the_last_rank_passes_the_barrier() -> None:
+    r0 = _events(10.0, [(0, 11.0, [0, 1]), (0, 12.0, [4, 5]), (1, 14.5, [1, 0])])
+    r1 = _events(10.5, [(0, 11.5, [2, 3]), (0, 14.0, [6, 7]), (1, 15.0, [3, 2])])
+    for evs in (r0, r1):  # both passed the barrier at 14.1, once rank 1 ended epoch 0
+        evs.insert(next(i for i, e in enumerate(evs) if e["ev"] == "epoch_end") + 1,
+                   {"ev": "epoch_start", "epoch": 1, "t": 14.1})
+    e = per_epoch([r0, r1], 2)
+    assert e[1]["wall_s"] == pytest.approx(15.0 - 14.1)  # not from rank 0's end of epoch 0 (12.0)
+    assert e[1]["rank_spans_s"] == [[0.0, 0.4], [0.0, 0.9]]
+    assert e[0]["rank_spans_s"] == [[0.0, 2.0], [0.5, 4.0]]
+
+
+def test_ranks_meet_at_each_epochs_end(tmp_path: Path) -> None:
+    """Two real rank processes: the fast one waits at the barrier for the slow one's end of epoch 0,
+    and both say when they passed it."""
+    script = tmp_path / "ranks.py"
+    script.write_text(
+        "import sys, time\n"
+        f"sys.path.insert(0, {str(RUNNERS)!r})\n"
+        "from _common import Job, run_epochs, emit, now\n"
+        "job = Job.parse(sys.argv[1])\n"
+        "emit('start', t=now())\n"
+        "def epoch(e):\n"
+        "    for i in range(3):\n"
+        "        if job.rank == 1 and e == 0:\n"
+        "            time.sleep(0.3)\n"
+        "        yield [job.rank, i]\n"
+        "run_epochs(job, epoch)\n")
+    procs = [subprocess.Popen([sys.executable, str(script),
+                               json.dumps(Job(system="fake", dataset="text", remote="", local="", rank=r, world=2,
+                                              epochs=3, barrier=str(tmp_path / "barrier")).__dict__)],
+                              stdout=subprocess.PIPE, text=True) for r in range(2)]
+    out = [p.communicate(timeout=60)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0]
+    ranks = [[json.loads(line) for line in o.splitlines()] for o in out]
+    ended = max(e["t"] for evs in ranks for e in evs if e["ev"] == "epoch_end" and e["epoch"] == 0)
+    for evs in ranks:
+        passed = [e for e in evs if e["ev"] == "epoch_start"]
+        assert [e["epoch"] for e in passed] == [1, 2]  # none before the first epoch, none after the last
+        assert passed[0]["t"] >= ended  # the fast rank waited for the slow one
+        assert all(e["t"] >= passed[0]["t"] for e in evs if e["ev"] == "batch" and e["epoch"] == 1)
+    assert sorted(p.name for p in (tmp_path / "barrier").iterdir()) == [
+        "epoch0.rank0", "epoch0.rank1", "epoch1.rank0", "epoch1.rank1"]
+
+
 def test_local_disk_counts_the_blocks_of_every_file_below(tmp_path: Path) -> None:
     (tmp_path / "a").mkdir()
     (tmp_path / "a" / "x").write_bytes(b"1" * 10_000)

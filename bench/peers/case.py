@@ -273,25 +273,37 @@ def free_port() -> int:
 
 def per_epoch(ranks: list[list[dict[str, Any]]], epochs: int) -> list[dict[str, Any]]:
     """Per epoch: samples, wall seconds (from the first rank's start of the epoch to the last
-    batch of any rank), samples/s, and each rank's batches (ids)."""
+    batch of any rank), samples/s, each rank's span on that clock, and each rank's batches (ids).
+    Ranks meet at each epoch's end (runners/_common.epoch_barrier), so an epoch's clock starts
+    once all have ended the one before."""
     out = []
     starts = [next((e["t"] for e in evs if e["ev"] == "start"), None) for evs in ranks]
     for epoch in range(epochs):
         batches = [[e for e in evs if e["ev"] == "batch" and e["epoch"] == epoch] for evs in ranks]
-        if epoch == 0:
-            begin = [s for s in starts if s is not None]
-        else:
-            begin = [e["t"] for evs in ranks for e in evs if e["ev"] == "epoch_end" and e["epoch"] == epoch - 1]
+        begins = _rank_begins(ranks, epoch, starts)
+        begin = [t for t in begins if t is not None]
         last = [b[-1]["t"] for b in batches if b]
         samples = sum(len(x["ids"]) for b in batches for x in b)
         wall = (max(last) - min(begin)) if last and begin else float("nan")
         out.append({"epoch": epoch, "samples": samples, "wall_s": wall,
                     "samples_per_s": samples / wall if wall and wall == wall and wall > 0 else float("nan"),
+                    "rank_spans_s": [[round(t - min(begin), 3), round(b[-1]["t"] - min(begin), 3)]
+                                     for t, b in zip(begins, batches) if b and t is not None],
                     "batches": [[x["ids"] for x in b] for b in batches],
                     "complete": all(any(e["ev"] == "epoch_end" and e["epoch"] == epoch and not e.get("cut") for e in evs)
                                     for evs in ranks),
                     "cut": any(e["ev"] == "epoch_end" and e["epoch"] == epoch and e.get("cut") for evs in ranks for e in evs)})
     return out
+
+
+def _rank_begins(ranks: list[list[dict[str, Any]]], epoch: int, starts: list[float | None]) -> list[float | None]:
+    """When each rank began `epoch`: its start (epoch 0), its pass of the barrier before it, or
+    (a run without one) its end of the epoch before."""
+    if epoch == 0:
+        return starts
+    return [next((e["t"] for e in evs if e["ev"] == "epoch_start" and e["epoch"] == epoch),
+                 next((e["t"] for e in evs if e["ev"] == "epoch_end" and e["epoch"] == epoch - 1), None))
+            for evs in ranks]
 
 
 def first_batch_s(ranks: list[list[dict[str, Any]]]) -> float:

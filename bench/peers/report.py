@@ -190,7 +190,8 @@ def markdown(rep: dict[str, Any], made: list[str]) -> str:
         out.append(f"- {sys_}: " + ", ".join(f"{k} {x}" for k, x in v.items()))
     out += ["", "How to read: samples/s are all ranks' samples of the epoch over its wall time, from the "
             "first rank starting it to the last batch of any rank (epoch 1 includes building the loader and "
-            "the first downloads). Peak local disk is the cache folder polled every 0.1 s; peak RSS sums every "
+            "the first downloads). The ranks meet at each epoch's end, as a synchronous trainer's do (at every "
+            "step's all-reduce): a later epoch's clock starts once the last rank has ended the one before. Peak local disk is the cache folder polled every 0.1 s; peak RSS sums every "
             "process of the system on the trainer machine (ranks, their workers, croupier's server). "
             "Shuffle figures are on epoch 1's delivered order, ranks interleaved batch by batch: mean displacement "
             "(1/3 for a uniform shuffle), Spearman (0), distinct shards per batch, Mosaic's neighbour-difference "

@@ -357,7 +357,7 @@ def run_system(ctx: Ctx, st: Any, system: str, ds: str, variant: str, n: int, ex
     job = Job(system=system, dataset=ds, remote=_remote(st, system, ds, variant), local=str(local), world=s.world,
               batch=s.batch, epochs=epochs, workers=s.workers, shuffle=_shuffle_of(variant),
               cache_limit=int(total_bytes * s.cache_fraction) if variant == "cache10" else 0,
-              state_path=str(run_dir / "state.json"), seed=s.seed,
+              state_path=str(run_dir / "state.json"), seed=s.seed, barrier=str(run_dir / "barrier"),
               max_epoch_s=epoch_cut(s, variant),
               endpoint=getattr(getattr(st, "server", None), "endpoint", "") if st.condition.key == "s3" else "",
               master_port=free_port())

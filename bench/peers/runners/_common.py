@@ -7,6 +7,7 @@ stdout (stderr is the library's own chatter):
     {"ev": "start", "t": ...}                     imports done, the loader is about to be built
     {"ev": "batch", "epoch": e, "t": ..., "ids": [...]}   a batch reached the trainer
     {"ev": "epoch_end", "epoch": e, "t": ...}
+    {"ev": "epoch_start", "epoch": e, "t": ...}   every rank ended epoch e-1 (the barrier): e begins
     {"ev": "state", "after_batches": k, "path": ...}      a checkpoint was written
     {"ev": "end", "t": ..., "peak_rss_mb": ...}
 
@@ -54,6 +55,9 @@ class Job:
     master_port: int = 0
     #: Stop the run this long into an epoch (0: never): the epoch is reported as cut, later ones are not run.
     max_epoch_s: float = 0.0
+    #: A folder all ranks of the run share: they meet there at each epoch's end, as a synchronous
+    #: (DDP) trainer's ranks do at every step's all-reduce ("": no barrier).
+    barrier: str = ""
     #: System-specific extras (a croupier server address, a tf.data dispatcher, ...).
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -110,6 +114,28 @@ def load_state(job: Job, rank: int | None = None) -> Any:
         return json.load(f)
 
 
+#: How long a rank waits at an epoch's barrier for the others before it gives up (an error).
+BARRIER_TIMEOUT_S = 600.0
+
+
+def epoch_barrier(job: Job, epoch: int) -> None:
+    """Wait until every rank has ended `epoch`: each leaves a file in job.barrier and polls for
+    the others'. Without it a rank that ended its epoch early starts the next while another is
+    still in the last one, and the next epoch's clock takes in that tail (a synchronous trainer's
+    ranks never drift apart so: each step's all-reduce waits for all of them)."""
+    if not job.barrier or job.world < 2:
+        return
+    os.makedirs(job.barrier, exist_ok=True)
+    open(os.path.join(job.barrier, f"epoch{epoch}.rank{job.rank}"), "w").close()
+    names = [os.path.join(job.barrier, f"epoch{epoch}.rank{r}") for r in range(job.world)]
+    deadline = time.monotonic() + BARRIER_TIMEOUT_S
+    while not all(os.path.exists(n) for n in names):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"rank {job.rank}: the other ranks did not end epoch {epoch} within "
+                               f"{BARRIER_TIMEOUT_S:.0f} s (barrier folder {job.barrier})")
+        time.sleep(0.001)
+
+
 def run_epochs(job: Job, epochs_iter, state_fn=None) -> None:
     """Drive the loader: `epochs_iter(epoch)` yields batches as (ids, batch) for one epoch;
     `state_fn()` returns the checkpoint (rank 0) when the job asks for the kill."""
@@ -131,6 +157,9 @@ def run_epochs(job: Job, epochs_iter, state_fn=None) -> None:
                 save_state(job, state_fn() if state_fn else None, n)
                 die_now()
         emit("epoch_end", epoch=epoch, t=now(), batches=n)
+        if epoch + 1 < job.epochs:
+            epoch_barrier(job, epoch)
+            emit("epoch_start", epoch=epoch + 1, t=now())
     emit("end", t=now(), peak_rss_mb=peak_rss_mb())
 
 
