@@ -152,6 +152,115 @@ def test_a_missing_truncated_or_non_image_file_or_a_link_out_of_the_roots_fails_
     reader.store.close()
 
 
+async def _by_group(reader: ImageFolderReader, indices: list[int]) -> tuple[list[int], dict[int, tuple[Any, Any]], int]:
+    """start_reads of `indices`: (the positions it left to start_read, position -> (item,
+    error) for the rest, how many calls handed them over)."""
+    got: dict[int, tuple[Any, Any]] = {}
+    calls = [0]
+    every = asyncio.Event()
+
+    def done(results: list) -> None:
+        calls[0] += 1
+        for pos, item, err in results:
+            assert pos not in got  # each image handed over exactly once
+            got[pos] = (item, err)
+        if len(got) == len(indices) - len(cold):
+            every.set()
+
+    cold = list(reader.start_reads(indices, (), done))
+    if len(cold) < len(indices):
+        await asyncio.wait_for(every.wait(), 30)
+    await asyncio.sleep(0.05)  # nothing more comes
+    return cold, got, calls[0]
+
+
+@pytest.mark.parametrize("kind", ["confined", "cached-local-disk", "cached-whole-files", "local"])
+def test_a_group_of_images_is_one_storage_call_and_fails_each_image_as_the_awaited_read_does(
+    tmp_path: Path, kind: str
+) -> None:
+    inside, outside = tmp_path / "in", tmp_path / "out"
+    files = write_imagefolder(inside, 8, ("cat",))
+    outside.mkdir()
+    (outside / "secret.png").write_bytes(png_bytes(9))
+    reader = ImageFolderReader("imgs", str(inside), store=_store(kind, inside))
+    if kind == "cached-whole-files":
+        reader.store.whole.bypass = False  # as on FUSE: the whole-file tier keys and keeps
+    (inside / files[1][0]).unlink()
+    (inside / files[2][0]).write_bytes(png_bytes(2)[:20])
+    (inside / files[3][0]).write_bytes(b"not an image at all")
+    (inside / files[4][0]).unlink()
+    (inside / files[4][0]).symlink_to(outside / "secret.png")
+    order = [7, 4, 0, 3, 6, 1, 5, 2]
+    calls = {"submit_files": 0}
+    submit = reader.store.submit_files
+
+    def counted(*args: Any) -> bool:
+        calls["submit_files"] += 1
+        return submit(*args)
+
+    reader.store.submit_files = counted  # type: ignore[method-assign]
+    reads = reader.store.stats.reads
+
+    async def go() -> tuple[list[int], dict[int, tuple[Any, Any]], int, int, list[tuple[Any, Any]]]:
+        cold, got, handed = await _by_group(reader, order)
+        grouped = reader.store.stats.reads - reads
+        return cold, got, handed, grouped, [await _awaited(reader, i) for i in order]
+
+    cold, got, handed, grouped, want = asyncio.run(go())
+    assert reader.reads_in_groups
+    if not CALLBACKS:
+        assert cold == list(range(8)) and got == {}
+        return
+    assert cold == [] and calls["submit_files"] == 1 and 1 <= handed <= 8
+    assert grouped == 8  # one storage read per image of the group
+    for pos, (want_item, want_err) in enumerate(want):
+        item, err = got[pos]
+        assert item == want_item, pos
+        assert (type(err), str(err)) == (type(want_err), str(want_err)), pos
+    assert [type(got[order.index(i)][1]).__name__ for i in range(5)] == (
+        ["NoneType", "SampleError", "SampleError", "SampleError"] + (["NoneType"] if kind == "local" else ["ConfinementError"]))
+    reader.store.close()
+
+
+def test_an_image_folder_epoch_is_read_in_groups_and_a_cached_name_on_an_ordinary_mount_one_by_one(
+    tmp_path: Path, serve_inprocess
+) -> None:
+    """Cold, a FUSE mount's images go in groups (one storage call each) and each is kept; the
+    next epoch's cached names must be looked up again (which file they lead to now), so they
+    go one by one, served from memory; either way every image exactly once."""
+    if not CALLBACKS:
+        pytest.skip("the native read pool is off (CROUPIER_READ_POOL=python)")
+    if _REASON is not None:
+        pytest.skip(f"latencyfs unusable here: {_REASON}")
+    src = tmp_path / "src"
+    files = write_imagefolder(src, 96)
+    with latencyfs.mounted(src, median_ms=1, distribution="fixed", max_background=latencyfs.KERNEL_DEFAULT) as fs:
+        srv = serve_inprocess(datasets=[f"imgs={fs.path}"], cache_memory="64M")
+        [reader] = srv.running.catalog.readers()
+        groups, singles = [0], [0]
+        submit_files, start_read = reader.store.submit_files, reader.start_read
+
+        def counted_files(*args: Any) -> bool:
+            started = submit_files(*args)
+            groups[0] += started
+            return started
+
+        def counted_single(*args: Any) -> bool:
+            singles[0] += 1
+            return start_read(*args)
+
+        reader.store.submit_files = counted_files  # type: ignore[method-assign]
+        reader.start_read = counted_single  # type: ignore[method-assign]
+        cache = srv.running.catalog.cache
+        image_epoch(srv.address, "imgs", 0, len(files))
+        assert (cache.stats.misses, cache.stats.hits, singles[0]) == (len(files), 0, 0)
+        assert 1 <= groups[0] < len(files) // 2  # groups of several images, not one call each
+        cold_groups = groups[0]
+        image_epoch(srv.address, "imgs", 1, len(files))
+        assert (cache.stats.misses, cache.stats.hits) == (len(files), len(files))
+        assert (groups[0], singles[0]) == (cold_groups, len(files))
+
+
 # ---- the cache tier: counted and keyed as the awaited path -------------------------------------
 
 

@@ -115,6 +115,16 @@ class CachedStore(ForwardingStore):
         self.whole.start_fill()
         return self.whole.submit(path, callback)
 
+    def submit_files(self, paths: Sequence[str], versioned: bool, callback: Callable[..., None]) -> bool:
+        """Files read whole by one call (a group of images), through the whole-file cache as
+        `submit_whole` reads one (unversioned only: the cache keeps the versions)."""
+        if self.whole is None or versioned or any(p in self._keys for p in paths):
+            return False
+        if self.whole.bypass:
+            return self.inner.submit_files(paths, False, callback)
+        self.whole.start_fill()
+        return self.whole.submit_files(paths, callback)
+
     def plan_whole_files(self, paths: Sequence[str]) -> None:
         """The files the dataset reads whole, in listing order (its fill reads them)."""
         if self.whole is not None:

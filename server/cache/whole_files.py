@@ -185,6 +185,60 @@ class WholeFiles:
             return True
         return self.inner.submit_version(path, functools.partial(self._identified, path, known, callback))
 
+    def submit_files(self, paths: Sequence[str], callback: Callable[[list[tuple[int, Any, BaseException | None]]], None]) -> bool:
+        """`submit` for a group of files with one storage call: those cached and served as
+        their first read found them (a mount of an object store) from memory, on the loop's
+        next turn, together; the rest read by the store's `submit_files` and kept as `read`
+        keeps them, handed over as they land. False where `submit` must do it file by file:
+        a disk tier or a fill running (as `submit`), or a cached name whose file must be
+        looked up again (an ordinary mount: `submit` asks which file it leads to now)."""
+        if self.cache.disk is not None or (self.fill_task is not None and not self.fill_task.done()):
+            return False
+        hits: list[tuple[int, Any, BaseException | None]] = []
+        misses: list[int] = []
+        for i, path in enumerate(paths):
+            known = self._versions.get(path)
+            if known is None or not self.cache.cached(known[1], 0):
+                misses.append(i)
+                continue
+            if not self.trust_first_read:
+                return False
+            key = known[1]
+            data = self.cache.from_memory(key, 0, key.size) if key.size else None
+            if data is None:
+                misses.append(i)
+            else:
+                hits.append((i, data, None))
+        if misses and not self.inner.submit_files([paths[i] for i in misses], True,
+                                                  functools.partial(self._files_landed, paths, misses, callback)):
+            return False
+        if hits:
+            stats = self.cache.stats
+            stats.hits += len(hits)
+            stats.hit_bytes += sum(len(h[1]) for h in hits)
+            asyncio.get_running_loop().call_soon(callback, hits)
+        return True
+
+    def _files_landed(self, paths: Sequence[str], misses: list[int], callback: Callable,
+                      done: list[tuple[int, Any, BaseException | None]]) -> None:
+        """Files of a `submit_files` group read from storage: each kept as `_read_landed`
+        keeps one, then handed over by its position in the group."""
+        out: list[tuple[int, Any, BaseException | None]] = []
+        stats = self.cache.stats
+        for j, got, err in done:
+            i = misses[j]
+            if got is None:
+                out.append((i, None, err))
+                continue
+            data, version = got
+            key = self._to_keep(paths[i], data, version)
+            if key is not None:
+                to_memory(self.cache, key, data)  # no disk tier on this path: memory or nothing
+            stats.misses += 1
+            stats.miss_bytes += len(data)
+            out.append((i, data, None))
+        callback(out)
+
     def _identified(self, path: str, known: tuple[FileVersion, FileKey], callback: Callable, version: FileVersion | None) -> None:
         """Which file a cached name leads to now, known: serve it from memory, or read it."""
         key = None

@@ -23,7 +23,7 @@ import asyncio
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 
 @dataclass(frozen=True)
@@ -284,6 +284,17 @@ class Store(abc.ABC):
     ) -> bool:
         """`read_whole_versioned` the same way: `callback((data, version), None)` or
         `callback(None, error)`. False: await `read_whole_versioned`."""
+        return False
+
+    def submit_files(
+        self, paths: Sequence[str], versioned: bool,
+        callback: Callable[[list[tuple[int, Any, BaseException | None]]], None],
+    ) -> bool:
+        """Several files read whole, started by one call (a group of images): `callback(done)`
+        on the loop once per wake-up with the files landed since the last call, each
+        (position, bytes, None) (versioned: (position, (bytes, FileVersion | None), None)) or
+        (position, None, error), so that every file is named exactly once over the calls;
+        counted like `read`. False when this store has no such path (then `submit_whole`)."""
         return False
 
     def held_in_memory(self, path: str) -> bool:

@@ -220,6 +220,14 @@ class ConfinedStore(Store):
         native.start_whole(self._native, self.stats, path, self._roots_blob, callback, versioned, self._native_error)
         return True
 
+    def submit_files(self, paths: Sequence[str], versioned: bool, callback: Callable[..., None]) -> bool:
+        """Files read whole by one call, each opened, checked under the roots and read by a
+        native thread, as `submit_whole` reads one."""
+        if self._native is None or not paths or any(p in self._pins for p in paths):
+            return False
+        native.start_files(self._native, self.stats, paths, self._roots_blob, versioned, callback, self._native_error)
+        return True
+
     def submit_version(self, path: str, callback: Callable[[FileVersion | None], None]) -> bool:
         if self._native is None:
             return False

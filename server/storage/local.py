@@ -660,6 +660,13 @@ class LocalStore(Store):
         native.start_whole(self.native, self.stats, path, None, callback, versioned)
         return True
 
+    def submit_files(self, paths: Sequence[str], versioned: bool, callback: Callable[..., None]) -> bool:
+        if self.native is None or not paths or any(p in self._pinned for p in paths):
+            return False
+        self.path_reads["pread"] += len(paths)
+        native.start_files(self.native, self.stats, paths, None, versioned, callback)
+        return True
+
     def submit_version(self, path: str, callback: Callable[[FileVersion | None], None]) -> bool:
         if self.native is None:
             return False

@@ -170,6 +170,21 @@ class NativeReadPool:
         `callback(None, error)` on the loop."""
         self._pool.submit_whole(self._call(callback), path, *(() if roots is None else (roots,)))
 
+    def read_files_then(self, paths: Sequence[str], roots: bytes | None, versioned: bool,
+                        callback: Callable[[list[tuple[int, Any, OSError | None]], int], None]) -> None:
+        """Files read whole, one call for them all: `callback(done, nbytes)` on the loop once
+        per wake-up with the files landed since the last call, each (position in `paths`,
+        value, None) or (position, None, error), value as `read_whole_then`'s (versioned) or
+        `read_path_then`'s; nbytes: their bytes. Each file is named exactly once over the calls."""
+        loop = self._watch()
+        group = _Files(loop, callback)
+        group.base = self._token + 1
+        self._token += len(paths)
+        futures = self._futures
+        for i in range(len(paths)):
+            futures[group.base + i] = group  # type: ignore[assignment]
+        self._pool.submit_files(group.base, paths, versioned, roots)
+
     def identify_then(self, path: str, roots: bytes | None, callback: Callable[[tuple | None, OSError | None], None]) -> None:
         """`identify` without a future: `callback(value, None)` (see `identify_result`) or
         `callback(None, error)` on the loop."""
@@ -233,13 +248,13 @@ class NativeReadPool:
 
     def _drain(self) -> None:
         loop = asyncio.get_running_loop()
-        touched: list[_Rows] = []
+        touched: list[_Rows | _Files] = []
         for token, value in self._pool.drain():
             entry = self._futures.pop(token, None)
             if entry is None:
                 continue
             kind = type(entry)
-            if kind is tuple or kind is _Rows or kind is _Group:  # a _Call's, or a range of a group
+            if kind is tuple or kind is _Rows or kind is _Group or kind is _Files:  # a _Call's, or one of a group
                 group, i = entry if kind is tuple else (entry, token - entry.base)
                 if group.loop is not loop:  # another loop's read (tests share a store)
                     group.loop.call_soon_threadsafe(_land_elsewhere, group, i, value)
@@ -349,7 +364,38 @@ class _Rows:
         self.callback(done, ok, bad, nbytes)
 
 
-def _land_elsewhere(group: "_Group | _Rows | _Call", i: int, value: Any) -> None:
+class _Files:
+    """The files of one `read_files_then` call: those landed since the last `flush`, handed
+    over together."""
+
+    __slots__ = ("loop", "callback", "done", "nbytes", "queued", "base")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, callback: Callable):
+        self.loop = loop
+        self.callback = callback
+        self.base = 0
+        self.done: list[tuple[int, Any, OSError | None]] = []
+        self.nbytes = 0
+        self.queued = False
+
+    def land(self, i: int, value: Any) -> bool:
+        if type(value) is int:
+            self.done.append((i, None, OSError(-value, os.strerror(-value))))
+        else:
+            self.done.append((i, value, None))
+            self.nbytes += len(value) if type(value) is bytes else len(value[0])
+        if self.queued:
+            return False
+        self.queued = True
+        return True
+
+    def flush(self) -> None:
+        done, nbytes = self.done, self.nbytes
+        self.done, self.nbytes, self.queued = [], 0, False
+        self.callback(done, nbytes)
+
+
+def _land_elsewhere(group: "_Group | _Rows | _Files | _Call", i: int, value: Any) -> None:
     """A range landed for another loop's read, on that loop (tests share a store)."""
     if group.land(i, value):
         group.flush()  # type: ignore[union-attr]
@@ -395,6 +441,37 @@ def start_whole(pool: NativeReadPool, stats: StoreStats, path: str, roots: bytes
             pool.read_path_then(path, roots, landed)
     except BaseException:  # not submitted (the pool closed): not in flight
         stats.finished(0, ok=False)
+        raise
+
+
+def start_files(pool: NativeReadPool, stats: StoreStats, paths: Sequence[str], roots: bytes | None, versioned: bool,
+                callback: Callable[[list[tuple[int, Any, BaseException | None]]], None],
+                error: Callable[[OSError, str], BaseException] | None = None) -> None:
+    """A store's `submit_files` on the native pool: `paths` read whole by one call, counted
+    in `stats` as one read each; `callback(done)` once per wake-up with the files landed
+    since, each (position, bytes or (bytes, FileVersion), None) or (position, None, error),
+    an error passed through `error(exc, path)` where the store maps them (confinement)."""
+    stats.started(len(paths))
+
+    def landed(done: list[tuple[int, Any, OSError | None]], nbytes: int) -> None:
+        bad = 0
+        for k, (i, value, err) in enumerate(done):
+            if err is not None:
+                bad += 1
+                if error is not None:
+                    done[k] = (i, None, error(err, paths[i]))
+            elif versioned:
+                done[k] = (i, (value[0], FileVersion(os.fsdecode(value[1]), *value[2:])), None)
+        if bad < len(done):
+            stats.finished(nbytes, len(done) - bad)
+        if bad:
+            stats.finished(0, bad, ok=False)
+        callback(done)  # type: ignore[arg-type]
+
+    try:
+        pool.read_files_then(paths, roots, versioned, landed)
+    except BaseException:  # not submitted (the pool closed): not in flight
+        stats.finished(0, len(paths), ok=False)
         raise
 
 
