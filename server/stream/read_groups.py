@@ -26,7 +26,9 @@ is paid per wake-up: on that mount, 22,537 against 20,136 rows/s with the cache 
 46.3 against 56.5 us of server CPU per row; 30,101 against 20,586 and 34.3 against 52.7 us
 with it on (an exploratory A/B; the committed figures are in cpu_per_sample.md). A store
 that cannot (`submit_rows` False: an object store) is read one sample at a time there.
-Other readers are read one sample at a time (groups of one).
+An ImageFolder's images go the same way on a file system (`ImageFolderReader.start_reads`:
+one `Store.submit_files` call, each image handed over as it lands). Other readers are read
+one sample at a time (groups of one).
 """
 
 from __future__ import annotations
