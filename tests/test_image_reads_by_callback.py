@@ -222,12 +222,12 @@ def test_a_group_of_images_is_one_storage_call_and_fails_each_image_as_the_await
     reader.store.close()
 
 
-def test_an_image_folder_epoch_is_read_in_groups_and_a_cached_name_on_an_ordinary_mount_one_by_one(
+def test_an_image_folder_epoch_is_read_in_groups_and_the_next_from_memory_in_groups(
     tmp_path: Path, serve_inprocess
 ) -> None:
     """Cold, a FUSE mount's images go in groups (one storage call each) and each is kept; the
-    next epoch's cached names must be looked up again (which file they lead to now), so they
-    go one by one, served from memory; either way every image exactly once."""
+    next epoch's cached names are looked up again (which file they lead to now), a group by
+    one call, and served from memory, not one read at the daemon; every image exactly once."""
     if not CALLBACKS:
         pytest.skip("the native read pool is off (CROUPIER_READ_POOL=python)")
     if _REASON is not None:
@@ -256,9 +256,12 @@ def test_an_image_folder_epoch_is_read_in_groups_and_a_cached_name_on_an_ordinar
         assert (cache.stats.misses, cache.stats.hits, singles[0]) == (len(files), 0, 0)
         assert 1 <= groups[0] < len(files) // 2  # groups of several images, not one call each
         cold_groups = groups[0]
+        daemon = fs.stats()
         image_epoch(srv.address, "imgs", 1, len(files))
+        after = fs.stats()
         assert (cache.stats.misses, cache.stats.hits) == (len(files), len(files))
-        assert (groups[0], singles[0]) == (cold_groups, len(files))
+        assert (after["requests"], after["opens"]) == (daemon["requests"], daemon["opens"])  # not one read at the daemon
+        assert singles[0] == 0 and cold_groups < groups[0] < cold_groups + len(files) // 2  # the lookups in groups too
 
 
 # ---- the cache tier: counted and keyed as the awaited path -------------------------------------
@@ -277,6 +280,10 @@ class _CountedVersions(ConfinedStore):
         self.lookups += 1
         return super().submit_version(path, callback)
 
+    def submit_versions(self, paths, callback) -> bool:
+        self.lookups += len(paths)
+        return super().submit_versions(paths, callback)
+
 
 async def _submit_whole(store: CachedStore, path: str) -> bytes | Exception:
     landed: asyncio.Future[bytes | Exception] = asyncio.get_running_loop().create_future()
@@ -288,11 +295,28 @@ async def _submit_whole(store: CachedStore, path: str) -> bytes | Exception:
     return await landed
 
 
-def _swaps(tmp_path: Path, by_callback: bool, memory: int) -> dict[str, Any]:
+async def _submit_files(store: CachedStore, paths: list[str]) -> list[bytes | Exception]:
+    """The files as one group (`submit_files`): each one's bytes or error, by position."""
+    got: dict[int, bytes | Exception] = {}
+    every = asyncio.Event()
+
+    def done(results: list) -> None:
+        for pos, data, err in results:
+            assert pos not in got  # each file handed over exactly once
+            got[pos] = data if err is None else err
+        if len(got) == len(paths):
+            every.set()
+
+    assert store.submit_files(paths, False, done)
+    await asyncio.wait_for(every.wait(), 30)
+    return [got[i] for i in range(len(paths))]
+
+
+def _swaps(tmp_path: Path, by_callback: bool | str, memory: int) -> dict[str, Any]:
     """Two passes over 20 files of a cached dataset, names swapped between them (one file
     rewritten, one name now a link to another file of the dataset, one a link out of the
-    roots), read by callback or awaited, `memory` bytes of cache: what each pass returned
-    and what was counted."""
+    roots), read by callback, awaited, or (by_callback "group") all 20 as one group,
+    `memory` bytes of cache: what each pass returned and what was counted."""
     inside, outside = tmp_path / "in", tmp_path / "out"
     inside.mkdir(parents=True), outside.mkdir()
     data = [random.Random(i).randbytes(3000 + i) for i in range(20)]
@@ -324,7 +348,11 @@ def _swaps(tmp_path: Path, by_callback: bool, memory: int) -> dict[str, Any]:
     def read_all() -> list[bytes | str]:
         async def go() -> list[bytes | str]:  # one at a time: what is kept does not hang on which lands first
             return [await one(str(inside / f"f{i:03d}.bin")) for i in range(20)]
-        return asyncio.run(go())
+
+        async def group() -> list[bytes | str]:
+            got = await _submit_files(store, [str(inside / f"f{i:03d}.bin") for i in range(20)])
+            return [g if isinstance(g, bytes) else f"{type(g).__name__}: {g}".replace(str(tmp_path), "<dir>") for g in got]
+        return asyncio.run(group() if by_callback == "group" else go())
 
     out: dict[str, Any] = {"cold": read_all(), "after cold": (inner.lookups, inner.stats.reads, cache.memory.resident)}
     (inside / "f000.bin").write_bytes(b"new" * 1500)
@@ -363,6 +391,28 @@ def test_by_callback_a_cached_name_is_served_only_while_it_names_the_same_file_a
     else:  # all of a file or none: the first 9 or 10 files kept whole, the rest read again
         assert mine["after cold"][2] <= memory and mine["after cold"][2] in (sum(map(len, data[:k])) for k in (9, 10))
         assert mine["counts"][1] > 22
+
+
+@pytest.mark.skipif(not CALLBACKS, reason="the group path needs the native read pool")
+@pytest.mark.parametrize("memory", [1 << 20, 10 * 3010], ids=["room for all", "room for 10 files"])
+def test_a_group_serves_a_cached_name_only_while_it_names_the_same_file_and_counts_as_the_awaited_read(
+    tmp_path: Path, memory: int
+) -> None:
+    """The same swaps, each pass one group of 20: cold, one storage call reads them all; warm,
+    one call asks which file each name leads to now, the same files come from memory and the
+    rest are read again, with the awaited read's bytes, errors and counts."""
+    mine, theirs = _swaps(tmp_path / "group", "group", memory), _swaps(tmp_path / "awaited", False, memory)
+    data = mine.pop("data")
+    theirs.pop("data")
+    assert (mine.pop("awaited"), theirs.pop("awaited")) == (0, 40)
+    assert (mine["cold"], mine["warm"]) == (theirs["cold"], theirs["warm"])
+    assert mine["cold"] == data
+    if memory == 1 << 20:
+        assert mine == theirs  # lookups, reads, errors, hits, misses and residency too
+        assert mine["counts"][:5] == (20, 22, 1, 16 + 2, 20 + 1)
+    else:  # read at once, which 9 or 10 files were kept whole hangs on which landed first
+        assert mine["after cold"][:2] == (0, 20) and mine["after cold"][2] <= memory
+        assert mine["counts"][-1] <= memory
 
 
 def test_the_readers_paths_and_names_are_the_stores_own(tmp_path: Path) -> None:

@@ -186,38 +186,88 @@ class WholeFiles:
         return self.inner.submit_version(path, functools.partial(self._identified, path, known, callback))
 
     def submit_files(self, paths: Sequence[str], callback: Callable[[list[tuple[int, Any, BaseException | None]]], None]) -> bool:
-        """`submit` for a group of files with one storage call: those cached and served as
-        their first read found them (a mount of an object store) from memory, on the loop's
-        next turn, together; the rest read by the store's `submit_files` and kept as `read`
-        keeps them, handed over as they land. False where `submit` must do it file by file:
-        a disk tier or a fill running (as `submit`), or a cached name whose file must be
-        looked up again (an ordinary mount: `submit` asks which file it leads to now)."""
+        """`submit` for a group of files with one storage call each way: cached names asked
+        which file they lead to now by one `submit_versions` (on a mount of an object store,
+        served as their first read found them, without asking), served from memory, on the
+        loop's next turn, together; the rest, and those whose file changed, read by the
+        store's `submit_files` and kept as `read` keeps them, handed over as they land. False
+        where `submit` must do it file by file: a disk tier or a fill running (as `submit`),
+        or a store without these calls."""
         if self.cache.disk is not None or (self.fill_task is not None and not self.fill_task.done()):
             return False
         hits: list[tuple[int, Any, BaseException | None]] = []
         misses: list[int] = []
+        lookups: list[int] = []
         for i, path in enumerate(paths):
             known = self._versions.get(path)
             if known is None or not self.cache.cached(known[1], 0):
                 misses.append(i)
-                continue
-            if not self.trust_first_read:
-                return False
-            key = known[1]
-            data = self.cache.from_memory(key, 0, key.size) if key.size else None
-            if data is None:
-                misses.append(i)
+            elif not self.trust_first_read:
+                lookups.append(i)
             else:
-                hits.append((i, data, None))
-        if misses and not self.inner.submit_files([paths[i] for i in misses], True,
-                                                  functools.partial(self._files_landed, paths, misses, callback)):
+                self._hit(i, known[1], hits, misses)
+        if misses and not self._read_group(paths, misses, callback):
             return False
+        if lookups and not self.inner.submit_versions([paths[i] for i in lookups],
+                                                      functools.partial(self._looked_up, paths, lookups, callback)):
+            for i in lookups:  # the misses are in flight: these go file by file
+                self._submit_one(paths[i], i, callback)
+        self._hand_hits(hits, callback)
+        return True
+
+    def _hit(self, i: int, key: FileKey, hits: list, misses: list[int]) -> None:
+        data = self.cache.from_memory(key, 0, key.size) if key.size else None
+        if data is None:
+            misses.append(i)
+        else:
+            hits.append((i, data, None))
+
+    def _hand_hits(self, hits: list[tuple[int, Any, BaseException | None]], callback: Callable) -> None:
+        """Hits counted, and handed over on the loop's next turn, as a lookup's would land."""
         if hits:
             stats = self.cache.stats
             stats.hits += len(hits)
             stats.hit_bytes += sum(len(h[1]) for h in hits)
             asyncio.get_running_loop().call_soon(callback, hits)
-        return True
+
+    def _read_group(self, paths: Sequence[str], positions: list[int], callback: Callable) -> bool:
+        return self.inner.submit_files([paths[i] for i in positions], True,
+                                       functools.partial(self._files_landed, paths, positions, callback))
+
+    def _submit_one(self, path: str, i: int, callback: Callable) -> None:
+        """One file of a group by `submit` (else the awaited `read`), handed over by its position."""
+        def one(data: bytes | None, err: BaseException | None) -> None:
+            callback([(i, data, err)])
+
+        if not self.submit(path, one):
+            self._read_later(path, one)
+
+    def _looked_up(self, paths: Sequence[str], lookups: list[int], callback: Callable,
+                   done: list[tuple[int, FileVersion | None]]) -> None:
+        """Which files a group's cached names lead to now, known: those still the same file
+        served from memory; the rest (another file now: the log says so; or gone) read."""
+        hits: list[tuple[int, Any, BaseException | None]] = []
+        misses: list[int] = []
+        for j, version in done:
+            i = lookups[j]
+            path = paths[i]
+            known = self._versions.get(path)
+            if version is not None and known is not None and known[0].same_file(version):
+                self._hit(i, known[1], hits, misses)
+                continue
+            key = self._keyed(path, version) if version is not None else None  # another file now
+            if key is not None and self.cache.cached(key, 0):
+                self._hit(i, key, hits, misses)
+            else:
+                misses.append(i)
+        if misses and not self._read_group(paths, misses, callback):
+            for i in misses:
+                self._submit_one(paths[i], i, callback)
+        if hits:  # on the loop already: handed over now
+            stats = self.cache.stats
+            stats.hits += len(hits)
+            stats.hit_bytes += sum(len(h[1]) for h in hits)
+            callback(hits)
 
     def _files_landed(self, paths: Sequence[str], misses: list[int], callback: Callable,
                       done: list[tuple[int, Any, BaseException | None]]) -> None:

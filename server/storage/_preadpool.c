@@ -26,9 +26,10 @@
  *                                               outside them
  *   pool.submit_whole(token, path[, roots])      the whole file, and which file it was:
  *                                               (bytes, real, dev, ino, size, mtime_ns)
- *   pool.submit_files(token0, [path, ...], versioned[, roots])
- *                                               file i whole as token0 + i (versioned: as
- *                                               submit_whole; else bytes): one call for a group
+ *   pool.submit_files(token0, [path, ...], kind[, roots])
+ *                                               file i as token0 + i, one call for a group:
+ *                                               kind 0 its bytes, 1 as submit_whole, 2 as
+ *                                               submit_identify
  *   pool.submit_identify(token, path[, roots])   which file `path` names now, without
  *                                               reading it: (real, dev, ino, size, mtime_ns)
  *                                               (opened O_PATH: no open request on FUSE)
@@ -473,22 +474,24 @@ static PyObject *submit_kind(Pool *p, PyObject *args, int kind) {
 
 static PyObject *Pool_submit_whole(Pool *p, PyObject *args) { return submit_kind(p, args, JOB_WHOLE); }
 
-/* Files read whole, file i as token0 + i (versioned: which file each was, as submit_whole;
- * else bytes, as submit_path with size -1): one call for a group of images, not one each. */
+/* Files, file i as token0 + i, one call for a group of images, not one each: kind 0 reads
+ * each whole (bytes, as submit_path with size -1), 1 whole and which file it was (as
+ * submit_whole), 2 only which file each name leads to now (as submit_identify). */
 static PyObject *Pool_submit_files(Pool *p, PyObject *args) {
     long long token0;
     PyObject *paths;
-    int versioned;
+    int kind;
     const char *roots = NULL;
     Py_ssize_t roots_len = 0;
-    if (!PyArg_ParseTuple(args, "LOp|z#", &token0, &paths, &versioned, &roots, &roots_len)) return NULL;
+    if (!PyArg_ParseTuple(args, "LOi|z#", &token0, &paths, &kind, &roots, &roots_len)) return NULL;
+    if (kind < JOB_READ || kind > JOB_IDENTIFY) { PyErr_Format(PyExc_ValueError, "no kind of file job %d", kind); return NULL; }
     PyObject *seq = PySequence_Fast(paths, "paths must be a sequence of paths");
     if (!seq) return NULL;
     Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *path_obj = NULL;
         if (!PyUnicode_FSConverter(PySequence_Fast_GET_ITEM(seq, i), &path_obj)) { Py_DECREF(seq); return NULL; }
-        PyObject *r = submit_path_job(p, token0 + i, path_obj, 0, -1, roots, roots_len, versioned ? JOB_WHOLE : JOB_READ);
+        PyObject *r = submit_path_job(p, token0 + i, path_obj, 0, -1, roots, roots_len, kind);
         if (!r) { Py_DECREF(seq); return NULL; } /* files before i are in flight: the caller's tokens say which */
         Py_DECREF(r);
     }
@@ -969,7 +972,8 @@ static PyMethodDef Pool_methods[] = {
     {"submit_whole", (PyCFunction)Pool_submit_whole, METH_VARARGS,
      "submit_whole(token, path[, roots]): the whole file and which it was: (bytes, real, dev, ino, size, mtime_ns)"},
     {"submit_files", (PyCFunction)Pool_submit_files, METH_VARARGS,
-     "submit_files(token0, [path, ...], versioned[, roots]): each file whole, file i as token0 + i, one call"},
+     "submit_files(token0, [path, ...], kind[, roots]): file i as token0 + i, one call; kind 0: bytes, 1: as "
+     "submit_whole, 2: as submit_identify"},
     {"submit_identify", (PyCFunction)Pool_submit_identify, METH_VARARGS,
      "submit_identify(token, path[, roots]): which file path names now, unread: (real, dev, ino, size, mtime_ns)"},
     {"submit_ranges", (PyCFunction)Pool_submit_ranges, METH_VARARGS,

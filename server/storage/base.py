@@ -297,6 +297,12 @@ class Store(abc.ABC):
         counted like `read`. False when this store has no such path (then `submit_whole`)."""
         return False
 
+    def submit_versions(self, paths: Sequence[str], callback: Callable[[list[tuple[int, FileVersion | None]]], None]) -> bool:
+        """`submit_version` for several names by one call: `callback([(position, version or
+        None), ...])` on the loop once per wake-up with those answered since the last call.
+        False: `submit_version` each."""
+        return False
+
     def held_in_memory(self, path: str) -> bool:
         """Every byte of `path` is in this store's memory (the server's cache tier): its
         reads land at once, as a local file's do (readers then read in groups)."""

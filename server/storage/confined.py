@@ -228,6 +228,12 @@ class ConfinedStore(Store):
         native.start_files(self._native, self.stats, paths, self._roots_blob, versioned, callback, self._native_error)
         return True
 
+    def submit_versions(self, paths: Sequence[str], callback: Callable[..., None]) -> bool:
+        if self._native is None or not paths:
+            return False
+        native.start_identities(self._native, paths, self._roots_blob, callback)
+        return True
+
     def submit_version(self, path: str, callback: Callable[[FileVersion | None], None]) -> bool:
         if self._native is None:
             return False

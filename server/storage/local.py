@@ -667,6 +667,12 @@ class LocalStore(Store):
         native.start_files(self.native, self.stats, paths, None, versioned, callback)
         return True
 
+    def submit_versions(self, paths: Sequence[str], callback: Callable[..., None]) -> bool:
+        if self.native is None or not paths:
+            return False
+        native.start_identities(self.native, paths, None, callback)
+        return True
+
     def submit_version(self, path: str, callback: Callable[[FileVersion | None], None]) -> bool:
         if self.native is None:
             return False

@@ -170,20 +170,21 @@ class NativeReadPool:
         `callback(None, error)` on the loop."""
         self._pool.submit_whole(self._call(callback), path, *(() if roots is None else (roots,)))
 
-    def read_files_then(self, paths: Sequence[str], roots: bytes | None, versioned: bool,
+    def read_files_then(self, paths: Sequence[str], roots: bytes | None, kind: int,
                         callback: Callable[[list[tuple[int, Any, OSError | None]], int], None]) -> None:
-        """Files read whole, one call for them all: `callback(done, nbytes)` on the loop once
-        per wake-up with the files landed since the last call, each (position in `paths`,
-        value, None) or (position, None, error), value as `read_whole_then`'s (versioned) or
-        `read_path_then`'s; nbytes: their bytes. Each file is named exactly once over the calls."""
+        """Files, one call for them all: `callback(done, nbytes)` on the loop once per wake-up
+        with the files landed since the last call, each (position in `paths`, value, None) or
+        (position, None, error), value as `read_path_then`'s (kind FILE_BYTES),
+        `read_whole_then`'s (FILE_WHOLE) or `identify_then`'s (FILE_IDENTIFY); nbytes: the
+        bytes read. Each file is named exactly once over the calls."""
         loop = self._watch()
-        group = _Files(loop, callback)
+        group = _Files(loop, callback, kind == FILE_IDENTIFY)
         group.base = self._token + 1
         self._token += len(paths)
         futures = self._futures
         for i in range(len(paths)):
             futures[group.base + i] = group  # type: ignore[assignment]
-        self._pool.submit_files(group.base, paths, versioned, roots)
+        self._pool.submit_files(group.base, paths, kind, roots)
 
     def identify_then(self, path: str, roots: bytes | None, callback: Callable[[tuple | None, OSError | None], None]) -> None:
         """`identify` without a future: `callback(value, None)` (see `identify_result`) or
@@ -368,11 +369,12 @@ class _Files:
     """The files of one `read_files_then` call: those landed since the last `flush`, handed
     over together."""
 
-    __slots__ = ("loop", "callback", "done", "nbytes", "queued", "base")
+    __slots__ = ("loop", "callback", "done", "nbytes", "queued", "base", "unread")
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, callback: Callable):
+    def __init__(self, loop: asyncio.AbstractEventLoop, callback: Callable, unread: bool = False):
         self.loop = loop
         self.callback = callback
+        self.unread = unread  # lookups (FILE_IDENTIFY): no bytes
         self.base = 0
         self.done: list[tuple[int, Any, OSError | None]] = []
         self.nbytes = 0
@@ -383,7 +385,8 @@ class _Files:
             self.done.append((i, None, OSError(-value, os.strerror(-value))))
         else:
             self.done.append((i, value, None))
-            self.nbytes += len(value) if type(value) is bytes else len(value[0])
+            if not self.unread:
+                self.nbytes += len(value) if type(value) is bytes else len(value[0])
         if self.queued:
             return False
         self.queued = True
@@ -444,6 +447,11 @@ def start_whole(pool: NativeReadPool, stats: StoreStats, path: str, roots: bytes
         raise
 
 
+#: `read_files_then`'s kinds (the native pool's job kinds): bytes; bytes and which file they
+#: came from; which file a name leads to now, unread.
+FILE_BYTES, FILE_WHOLE, FILE_IDENTIFY = 0, 1, 2
+
+
 def start_files(pool: NativeReadPool, stats: StoreStats, paths: Sequence[str], roots: bytes | None, versioned: bool,
                 callback: Callable[[list[tuple[int, Any, BaseException | None]]], None],
                 error: Callable[[OSError, str], BaseException] | None = None) -> None:
@@ -469,10 +477,21 @@ def start_files(pool: NativeReadPool, stats: StoreStats, paths: Sequence[str], r
         callback(done)  # type: ignore[arg-type]
 
     try:
-        pool.read_files_then(paths, roots, versioned, landed)
+        pool.read_files_then(paths, roots, FILE_WHOLE if versioned else FILE_BYTES, landed)
     except BaseException:  # not submitted (the pool closed): not in flight
         stats.finished(0, len(paths), ok=False)
         raise
+
+
+def start_identities(pool: NativeReadPool, paths: Sequence[str], roots: bytes | None,
+                     callback: Callable[[list[tuple[int, FileVersion | None]]], None]) -> None:
+    """A store's `submit_versions` on the native pool: which file each of `paths` leads to
+    now, by one call; `callback([(position, version or None), ...])` once per wake-up, None
+    where a name leads to no file (or none under `roots`), as `version` answers."""
+    def landed(done: list[tuple[int, Any, OSError | None]], _: int) -> None:
+        callback([(i, None if err is not None else identify_result(value)) for i, value, err in done])
+
+    pool.read_files_then(paths, roots, FILE_IDENTIFY, landed)
 
 
 def _whole_landed(stats: StoreStats, callback: Callable, versioned: bool, path: str,
