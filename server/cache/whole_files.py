@@ -8,7 +8,8 @@ kept). A cold read therefore costs what it costs without the cache. A read of a 
 already cached first asks which file the name leads to now: an O_PATH open on a native
 thread (the name resolved and checked under the roots, the file stat'ed; no open or read
 on the file system); the same file (device, inode, size, mtime) is served from its tier,
-another is a miss, keyed anew (the log says so). A name swapped for a link out of the
+another is a miss, keyed anew (the log says so). A group of names (an ImageFolder's
+`start_reads`: `submit_files`) is asked by one call and read by one more. A name swapped for a link out of the
 roots is therefore refused by the dataset's own read as before. On a FUSE mount of an
 object store (rclone, s3fs, ...: storage/mounts.py) that question is a request to the
 bucket each (through s3fs, the second epoch of 6,000 JPEGs made 144 images/s asking it),
