@@ -223,12 +223,15 @@ class WholeFiles:
         else:
             hits.append((i, data, None))
 
+    def _count_hits(self, hits: list[tuple[int, Any, BaseException | None]]) -> None:
+        stats = self.cache.stats
+        stats.hits += len(hits)
+        stats.hit_bytes += sum(len(h[1]) for h in hits)
+
     def _hand_hits(self, hits: list[tuple[int, Any, BaseException | None]], callback: Callable) -> None:
         """Hits counted, and handed over on the loop's next turn, as a lookup's would land."""
         if hits:
-            stats = self.cache.stats
-            stats.hits += len(hits)
-            stats.hit_bytes += sum(len(h[1]) for h in hits)
+            self._count_hits(hits)
             asyncio.get_running_loop().call_soon(callback, hits)
 
     def _read_group(self, paths: Sequence[str], positions: list[int], callback: Callable) -> bool:
@@ -265,9 +268,7 @@ class WholeFiles:
             for i in misses:
                 self._submit_one(paths[i], i, callback)
         if hits:  # on the loop already: handed over now
-            stats = self.cache.stats
-            stats.hits += len(hits)
-            stats.hit_bytes += sum(len(h[1]) for h in hits)
+            self._count_hits(hits)
             callback(hits)
 
     def _files_landed(self, paths: Sequence[str], misses: list[int], callback: Callable,

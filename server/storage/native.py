@@ -469,7 +469,7 @@ def start_files(pool: NativeReadPool, stats: StoreStats, paths: Sequence[str], r
                 if error is not None:
                     done[k] = (i, None, error(err, paths[i]))
             elif versioned:
-                done[k] = (i, (value[0], FileVersion(os.fsdecode(value[1]), *value[2:])), None)
+                done[k] = (i, whole_result(value), None)
         if bad < len(done):
             stats.finished(nbytes, len(done) - bad)
         if bad:
