@@ -113,12 +113,11 @@ async def _awaited(reader: ImageFolderReader, index: int) -> tuple[Any, BaseExce
         return None, exc
 
 
-@pytest.mark.parametrize("kind", ["confined", "cached-local-disk", "cached-whole-files", "local"])
-def test_a_missing_truncated_or_non_image_file_or_a_link_out_of_the_roots_fails_as_the_awaited_read_does(
-    tmp_path: Path, kind: str
-) -> None:
+def _broken_folder(tmp_path: Path, kind: str, n: int) -> tuple[ImageFolderReader, bytes]:
+    """An ImageFolder of `n` images read through store `kind`, images 1-4 broken after the
+    listing (missing, truncated, not an image, a link out of the roots); image 0's bytes."""
     inside, outside = tmp_path / "in", tmp_path / "out"
-    files = write_imagefolder(inside, 5, ("cat",))
+    files = write_imagefolder(inside, n, ("cat",))
     outside.mkdir()
     (outside / "secret.png").write_bytes(png_bytes(9))
     reader = ImageFolderReader("imgs", str(inside), store=_store(kind, inside))
@@ -130,6 +129,14 @@ def test_a_missing_truncated_or_non_image_file_or_a_link_out_of_the_roots_fails_
     (inside / files[3][0]).write_bytes(b"not an image at all")
     (inside / files[4][0]).unlink()
     (inside / files[4][0]).symlink_to(outside / "secret.png")  # swapped for a link out of the roots
+    return reader, good
+
+
+@pytest.mark.parametrize("kind", ["confined", "cached-local-disk", "cached-whole-files", "local"])
+def test_a_missing_truncated_or_non_image_file_or_a_link_out_of_the_roots_fails_as_the_awaited_read_does(
+    tmp_path: Path, kind: str
+) -> None:
+    reader, good = _broken_folder(tmp_path, kind, 5)
 
     async def go() -> list[tuple[tuple[bool, Any, BaseException | None], tuple[Any, BaseException | None]]]:
         return [(await _by_callback(reader, i), await _awaited(reader, i)) for i in range(len(reader))]
@@ -178,18 +185,7 @@ async def _by_group(reader: ImageFolderReader, indices: list[int]) -> tuple[list
 def test_a_group_of_images_is_one_storage_call_and_fails_each_image_as_the_awaited_read_does(
     tmp_path: Path, kind: str
 ) -> None:
-    inside, outside = tmp_path / "in", tmp_path / "out"
-    files = write_imagefolder(inside, 8, ("cat",))
-    outside.mkdir()
-    (outside / "secret.png").write_bytes(png_bytes(9))
-    reader = ImageFolderReader("imgs", str(inside), store=_store(kind, inside))
-    if kind == "cached-whole-files":
-        reader.store.whole.bypass = False  # as on FUSE: the whole-file tier keys and keeps
-    (inside / files[1][0]).unlink()
-    (inside / files[2][0]).write_bytes(png_bytes(2)[:20])
-    (inside / files[3][0]).write_bytes(b"not an image at all")
-    (inside / files[4][0]).unlink()
-    (inside / files[4][0]).symlink_to(outside / "secret.png")
+    reader, _ = _broken_folder(tmp_path, kind, 8)
     order = [7, 4, 0, 3, 6, 1, 5, 2]
     calls = {"submit_files": 0}
     submit = reader.store.submit_files
