@@ -207,10 +207,14 @@ class WholeFiles:
                 lookups.append(i)
             else:
                 self._hit(i, known[1], hits, misses)
+        # Nothing is started until the first storage call is taken (a store without these
+        # calls, such as the Python pool's: False, and the group goes file by file).
         if misses and not self._read_group(paths, misses, callback):
             return False
         if lookups and not self.inner.submit_versions([paths[i] for i in lookups],
                                                       functools.partial(self._looked_up, paths, lookups, callback)):
+            if not misses:
+                return False
             for i in lookups:  # the misses are in flight: these go file by file
                 self._submit_one(paths[i], i, callback)
         self._hand_hits(hits, callback)
