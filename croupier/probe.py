@@ -40,6 +40,7 @@ import json
 import math
 import os
 import random
+import stat
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -467,9 +468,13 @@ def list_files(target: str) -> list[tuple[str, int]]:
         raise ProbeError(f"{target}: cannot list it (permission denied)")
     out: list[tuple[str, int]] = []
     for p in _names(target):
-        if not os.path.isfile(p):
+        try:
+            st = os.stat(p)  # one stat a file (on a bucket mount, a request each)
+        except OSError:  # gone, or a dangling link: not a file to read
             continue
-        out.append((p, os.stat(p).st_size))
+        if not stat.S_ISREG(st.st_mode):
+            continue
+        out.append((p, st.st_size))
         if len(out) >= MAX_FILES:
             break
     return out

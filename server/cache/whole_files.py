@@ -279,21 +279,8 @@ class WholeFiles:
                       done: list[tuple[int, Any, BaseException | None]]) -> None:
         """Files of a `submit_files` group read from storage: each kept as `_read_landed`
         keeps one, then handed over by its position in the group."""
-        out: list[tuple[int, Any, BaseException | None]] = []
-        stats = self.cache.stats
-        for j, got, err in done:
-            i = misses[j]
-            if got is None:
-                out.append((i, None, err))
-                continue
-            data, version = got
-            key = self._to_keep(paths[i], data, version)
-            if key is not None:
-                to_memory(self.cache, key, data)  # no disk tier on this path: memory or nothing
-            stats.misses += 1
-            stats.miss_bytes += len(data)
-            out.append((i, data, None))
-        callback(out)
+        callback([(misses[j], None, err) if got is None else (misses[j], self._kept(paths[misses[j]], *got), None)
+                  for j, got, err in done])
 
     def _identified(self, path: str, known: tuple[FileVersion, FileKey], callback: Callable, version: FileVersion | None) -> None:
         """Which file a cached name leads to now, known: serve it from memory, or read it."""
@@ -319,13 +306,17 @@ class WholeFiles:
         if got is None:
             callback(None, err)
             return
-        data, version = got
+        callback(self._kept(path, *got), None)
+
+    def _kept(self, path: str, data: bytes, version: FileVersion | None) -> bytes:
+        """What a callback read of `path` returned, kept and counted as a miss; its bytes."""
         key = self._to_keep(path, data, version)
         if key is not None:
             to_memory(self.cache, key, data)  # no disk tier on this path: memory or nothing
-        self.cache.stats.misses += 1
-        self.cache.stats.miss_bytes += len(data)
-        callback(data, None)
+        stats = self.cache.stats
+        stats.misses += 1
+        stats.miss_bytes += len(data)
+        return data
 
     def _read_later(self, path: str, callback: Callable) -> None:
         """The awaited `read`, for a store that looked a name up by callback but reads only
