@@ -35,6 +35,8 @@
  *                                               (opened O_PATH: no open request on FUSE)
  *   pool.fileno() -> eventfd, readable when completions wait
  *   pool.drain() -> [(token, bytes | tuple | -errno), ...]
+ *   pool.latency                                a moving mean of the jobs' seconds, queued to
+ *                                               done (the loop paces its drains by it)
  *   pool.close()
  * Threads start on demand, up to max_threads, and stay.
  *
@@ -123,6 +125,7 @@ typedef struct job {
     int kind;         /* JOB_READ, or path jobs that also say which file they read (the cache's keys) */
     struct stat st;   /* JOB_WHOLE, JOB_IDENTIFY: the file opened; st_size -1 if it changed while read */
     char *real;       /* JOB_WHOLE, JOB_IDENTIFY: its resolved path (the kernel's name for the fd) */
+    long long t0_ns;  /* when it was queued: its latency, as the loop sees it, ends when it is done */
 } job;
 
 enum { JOB_READ = 0, JOB_WHOLE = 1, JOB_IDENTIFY = 2 };
@@ -144,7 +147,17 @@ typedef struct {
     int efd;
     int threads, max_threads, closing;
     long long pending; /* submitted and not drained (loop thread only) */
+    double latency_s;  /* moving mean of the jobs' latency, queued to done (under mu) */
 } Pool;
+
+static long long monotonic_ns(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (long long)t.tv_sec * 1000000000LL + t.tv_nsec;
+}
+
+/* Jobs in the moving mean of the latency: a mount's pace, not one slow read's. */
+#define LATENCY_WINDOW 64.0
 
 /* The kernel's name for the open file `fd` lies in one of `roots` (NUL-separated, each a
  * resolved folder): checked on the file opened, so a link swapped after any earlier
@@ -347,7 +360,9 @@ static void *worker(void *arg) {
     job *j = me->next; /* the job it was started for */
     while (j) {
         run_job(j);
+        double took = (double)(monotonic_ns() - j->t0_ns) / 1e9;
         pthread_mutex_lock(&p->mu);
+        p->latency_s += p->latency_s > 0 ? (took - p->latency_s) / LATENCY_WINDOW : took;
         int was_empty = p->done_head == NULL;
         j->next = NULL;
         if (p->done_tail) p->done_tail->next = j; else p->done_head = j;
@@ -383,6 +398,7 @@ static void *worker(void *arg) {
 }
 
 static int enqueue(Pool *p, job *j) {
+    j->t0_ns = monotonic_ns();
     pthread_mutex_lock(&p->mu);
     if (p->closing) { pthread_mutex_unlock(&p->mu); return -1; }
     p->pending++;
@@ -942,6 +958,13 @@ static PyObject *Pool_get_threads(Pool *p, void *closure) {
 
 static PyObject *Pool_get_pending(Pool *p, void *closure) { return PyLong_FromLongLong(p->pending); }
 
+static PyObject *Pool_get_latency(Pool *p, void *closure) {
+    pthread_mutex_lock(&p->mu);
+    double s = p->latency_s;
+    pthread_mutex_unlock(&p->mu);
+    return PyFloat_FromDouble(s);
+}
+
 static int Pool_init(Pool *p, PyObject *args, PyObject *kwds) {
     int max_threads;
     if (!PyArg_ParseTuple(args, "i", &max_threads)) return -1;
@@ -986,6 +1009,7 @@ static PyMethodDef Pool_methods[] = {
 static PyGetSetDef Pool_getset[] = {
     {"threads", (getter)Pool_get_threads, NULL, "threads started", NULL},
     {"pending", (getter)Pool_get_pending, NULL, "jobs submitted and not drained", NULL},
+    {"latency", (getter)Pool_get_latency, NULL, "moving mean of the jobs' seconds from queued to done (0: none yet)", NULL},
     {NULL}};
 
 static PyTypeObject PoolType = {
