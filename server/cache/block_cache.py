@@ -7,7 +7,7 @@ import asyncio
 import concurrent.futures
 import logging
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from .blocks import BLOCK_BYTES, FileKey, pieces, span
 from .disk_tier import DiskTier
@@ -62,11 +62,13 @@ class BlockCache:
         self.closed = False
 
     # ---- file versions ------------------------------------------------------------------
-    def register(self, key: FileKey, url: str, scan_disk: bool = True) -> None:
+    def register(self, key: FileKey, url: str | Callable[[], str], scan_disk: bool = True) -> None:
         """A dataset opened `key`: drop what is cached of any other version of its file
         (`scan_disk` False: not on disk, whose index a scan walks whole: a file read whole
         is registered at its first read, one of thousands; its other versions there are
-        never served, another key, and go when room is needed)."""
+        never served, another key, and go when room is needed). `url` names the file in
+        the log line, or makes its name when one is written (a store's `url` through its
+        layers cost an image a microsecond or two on the loop)."""
         pid, vid = key.path_id, key.version_id
         with self._lock:
             old = self._current.get(pid)
@@ -80,7 +82,7 @@ class BlockCache:
         if dropped or (old is not None and old != key):  # a version seen before, or one on disk from a past run
             now = f"ETag {key.etag}" if key.etag else f"mtime_ns {key.mtime_ns}"
             log.info("cache: %s changed (now %d bytes, %s): dropped %d cached block(s) of its earlier version",
-                     url, key.size, now, dropped)
+                     url() if callable(url) else url, key.size, now, dropped)
 
     def release(self, key: FileKey) -> None:
         """A dataset reading `key` closed; with the last, its memory blocks leave (disk

@@ -56,11 +56,17 @@ class MemoryTier:
             self.filled += len(data)
 
     def try_admit(self, vid: str, block: int, data: bytes) -> bool:
-        """Reserve and admit at once (a block a direct read fetched whole)."""
-        if (vid, block) in self._blocks or not self.reserve(len(data)):
-            return False
-        self.admit(vid, block, data, len(data))
-        return True
+        """Reserve and admit at once, under one lock (a block a direct read fetched whole, an
+        image): False if it is held already or the budget has no room."""
+        n = len(data)
+        with self._lock:
+            if (vid, block) in self._blocks or self.resident + self._reserved + n > self.budget:
+                return False
+            self._blocks[(vid, block)] = data
+            self._of.setdefault(vid, set()).add(block)
+            self.resident += n
+            self.filled += n
+            return True
 
     def drop(self, vid: str) -> int:
         """Evict every block of `vid`; how many there were."""

@@ -53,8 +53,13 @@ log = logging.getLogger("croupier.server.cache")
 FILL_FILES = 32
 
 
-def _under(real: str, roots: Sequence[str]) -> bool:
-    return any(real == r or real.startswith(r.rstrip("/") + "/") for r in roots)
+def _under(real: str, roots: tuple[frozenset[str], tuple[str, ...]]) -> bool:
+    """`real` is one of the roots or lies under one (`_roots`' form: one C call each)."""
+    return real in roots[0] or real.startswith(roots[1])
+
+
+def _roots(roots: Sequence[str]) -> tuple[frozenset[str], tuple[str, ...]]:
+    return frozenset(roots), tuple(r.rstrip("/") + "/" for r in roots)
 
 
 async def from_tiers(cache: BlockCache, key: FileKey) -> bytes | None:
@@ -82,6 +87,8 @@ async def admit(cache: BlockCache, key: FileKey, data: bytes, wait: bool) -> boo
 def to_memory(cache: BlockCache, key: FileKey, data: bytes) -> bool:
     """Keep a whole file in memory if the budget has room for all of it (else nothing)."""
     memory = cache.memory
+    if 0 < key.size <= BLOCK_BYTES:  # one block (an image): one admission, one lock
+        return memory.try_admit(key.version_id, 0, data) or memory.has(key.version_id, 0)
     if not memory.reserve(key.size):
         return False
     for b in range(key.blocks()):
@@ -101,6 +108,7 @@ class WholeFiles:
     def __init__(self, inner: Any, cache: BlockCache, name: str):
         self.inner, self.cache, self.name = inner, cache, name
         self.roots: tuple[str, ...] | None = getattr(inner, "roots", None)  # a ConfinedStore's; None: unconfined
+        self._roots = _roots(self.roots) if self.roots is not None else None
         self._versions: dict[str, tuple[FileVersion, FileKey]] = {}  # name -> what it led to when read
         self._reading: dict[str, asyncio.Future[bytes]] = {}  # names being read from storage now
         self._planned: list[str] = []
@@ -121,13 +129,13 @@ class WholeFiles:
         or outside the roots)."""
         if version is None or version.size < 0:
             return None
-        if self.roots is not None and not _under(version.real, self.roots):
+        if self._roots is not None and not _under(version.real, self._roots):
             return None  # the dataset's own read refuses it, with its error
         key = FileKey(version.real, version.size, version.mtime_ns)
         old = self._versions.get(path)
         if old is None or old[1] != key:
             self._versions[path] = (version, key)
-            self.cache.register(key, self.inner.url(path), scan_disk=False)
+            self.cache.register(key, functools.partial(self.inner.url, path), scan_disk=False)
             if old is not None:
                 self.cache.release(old[1])
         return key
