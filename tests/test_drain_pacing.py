@@ -55,15 +55,21 @@ def _file(tmp_path: Path) -> tuple[int, bytes]:
     return os.open(path, os.O_RDONLY), data
 
 
-def test_completions_within_a_pace_of_the_last_drain_land_together_in_one_timed_drain(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def _paced(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+           threads: int) -> tuple[int, bytes, native.NativeReadPool, list[int]]:
+    """A file, and a pool whose pace is half a second (PACE_SHARE of its latency, at most
+    PACE_MAX_S): long enough for page-cached reads to land inside it on any machine."""
     fd, data = _file(tmp_path)
-    pool = native.NativeReadPool(8)
+    pool = native.NativeReadPool(threads)
     drains = _counted(pool)
-    # A pace of half a second (PACE_SHARE of the latency, at most PACE_MAX_S): long enough
-    # for the reads below to land inside it on any machine.
     monkeypatch.setattr(native, "PACE_MAX_S", 0.5)
     pool._pool.latency = 0.5 / native.PACE_SHARE
+    return fd, data, pool, drains
+
+
+def test_completions_within_a_pace_of_the_last_drain_land_together_in_one_timed_drain(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    fd, data, pool, drains = _paced(tmp_path, monkeypatch, 8)
 
     async def main() -> None:
         assert await pool.pread(fd, 0, 100) == data[:100]  # the first drain: at once, nothing before it
@@ -107,11 +113,7 @@ def test_reads_faster_than_a_pace_worth_a_timer_are_drained_as_each_is_signalled
 
 
 def test_a_closed_pool_cancels_its_timed_drain(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    fd, _ = _file(tmp_path)
-    pool = native.NativeReadPool(4)
-    drains = _counted(pool)
-    monkeypatch.setattr(native, "PACE_MAX_S", 0.5)
-    pool._pool.latency = 0.5 / native.PACE_SHARE
+    fd, _, pool, drains = _paced(tmp_path, monkeypatch, 4)
 
     async def main() -> None:
         await pool.pread(fd, 0, 10)
