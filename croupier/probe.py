@@ -187,11 +187,9 @@ class Report:
         lines += ["", f"croupier will read by {self.chosen} ({self.reason}): about {self.samples_per_s:,.0f} "
                       f"samples/s for {what}, at the peak rate; the server's CPU may bound it lower)"]
         if self.spread is not None:
-            k = self.spread["descriptors"]
-            timed = self.spread.get("timed") or {str(k): self.spread["reads_per_s"]}
-            lines.append("preads spread over descriptors of a file: "
-                         + ", ".join(f"{d} {r:,.0f} reads/s" for d, r in timed.items()) + "; croupier "
-                         + (f"spreads them over {k} (its daemon serves separate opens of a file in parallel)"
+            k, rate = self.spread["descriptors"], self.spread["reads_per_s"]
+            lines.append(f"preads spread over {k} descriptors of a file: {rate:,.0f} reads/s; croupier "
+                         + ("spreads them (its daemon serves separate opens of a file in parallel)"
                             if self.spread["used"] else "keeps one (they did not pay 25% more)"))
         lines += [f"to raise the ceiling: {r}" for r in self.remedies]
         return "\n".join(lines)
@@ -524,31 +522,26 @@ def probe_files(target: str, *, row_bytes: int, rows: str, max_bytes: int, max_c
 
 
 def _spread(choice: readpath.Choice, pages: Pages, budget: Budget, pread: PathResult, row_bytes: int) -> dict | None:
-    """What the server times on a daemon-bound mount read by preads: preads spread over each
-    of readpath.HANDLE_COUNTS descriptors of a file in turn (readpath.time_handles), on places
-    never read before, charged to the byte bound and counted as preads; None where it would not."""
+    """What the server times on a daemon-bound mount read by preads: preads spread over
+    readpath.HANDLES descriptors of a file (readpath.time_handles), on places never read
+    before, charged to the byte bound and counted as preads; None where it would not."""
     if choice.path != "pread" or not readpath.daemon_bound(choice):
         return None
+    n = 4 * readpath.HANDLES
     cost = _read_cost(pread, pages, row_bytes)
-
-    def places(k: int) -> tuple[str, list[int]] | None:
-        n = 4 * k
-        if budget.left < n * cost:
-            return None
-        path, offsets = pages.take(n)
-        if len(offsets) < n:
-            return None
-        pread.reads += n
-        pread.bytes += n * cost
-        budget.left -= n * cost
-        return path, offsets
-
-    readpath.time_handles(choice, "", 0, places=places, read_bytes=row_bytes)
+    if budget.left < n * cost:
+        return None
+    path, offsets = pages.take(n)
+    if len(offsets) < n:
+        return None
+    readpath.time_handles(choice, path, 0, offsets=offsets, read_bytes=row_bytes)
+    pread.reads += n
+    pread.bytes += n * cost
+    budget.left -= n * cost
     if choice.spread is None:
         return None
     k, rate = choice.spread
-    return {"descriptors": k, "reads_per_s": round(rate, 1), "used": choice.handles > 1,
-            "timed": {str(d): round(r, 1) for d, r in choice.spread_rates.items()}}
+    return {"descriptors": k, "reads_per_s": round(rate, 1), "used": choice.handles > 1}
 
 
 def _usable(result: PathResult, path: str) -> bool:

@@ -154,8 +154,8 @@ def test_a_mount_whose_daemon_serves_files_apart_in_parallel_has_its_preads_spre
     table: tuple[Path, bytes],
 ) -> None:
     # rclone mount serves an open file's reads one at a time but separate opens of it in
-    # parallel: the probe times reads over HANDLE_COUNTS descriptors in turn against one, and the store
-    # spreads its preads over the fastest; the bucket sees more than one GET at once.
+    # parallel: the probe times reads over HANDLES descriptors against one, and the store
+    # spreads its preads over them; the bucket sees more than one GET at once.
     from croupier.bench import bucket_mount, s3server
 
     if bucket_mount.rclone_unusable() is not None:
@@ -172,14 +172,9 @@ def test_a_mount_whose_daemon_serves_files_apart_in_parallel_has_its_preads_spre
                 store.pin(path)
                 (choice,) = store.read_paths()
                 assert readpath.daemon_bound(choice) and choice.path == "pread", choice
-                # each count timed in turn while the last gained; the fastest taken
-                timed = list(choice.spread_rates)
-                assert timed == list(readpath.HANDLE_COUNTS[:len(timed)]) and timed, choice.spread_rates
-                assert choice.spread == (timed[-1], choice.spread_rates[timed[-1]]) or (
-                    choice.spread == (timed[-2], choice.spread_rates[timed[-2]]))  # the last, or the one it did not beat
-                assert choice.handles == choice.spread[0], (choice.rates, choice.spread_rates)
-                assert choice.spread[1] >= readpath.MARGIN * choice.rates["pread"]
-                assert all(f"pread over {k} descriptors" in readpath.rates_line(choice) for k in timed)
+                assert choice.handles == readpath.HANDLES, (choice.rates, choice.spread)
+                assert choice.spread is not None and choice.spread[1] >= readpath.MARGIN * choice.rates["pread"]
+                assert f"pread over {readpath.HANDLES} descriptors" in readpath.rates_line(choice)
                 (gate,) = store.gates().values()
                 assert gate.limit == readpath.read_limit(choice) > readpath.READ_LIMIT_MIN
                 s3.reset_stats()
@@ -230,36 +225,3 @@ def test_a_daemon_bound_bucket_mount_is_told_its_clients_own_limit_and_the_optio
     mount, choice = bound("fuse.latencyfs")  # a daemon nothing was measured for: the general advice
     said = readpath.remedy(mount, 1024, choice)
     assert "its worker threads" in said and "--checkers" not in said
-
-
-def test_descriptor_counts_are_timed_in_turn_and_a_larger_one_is_taken_only_for_a_real_gain(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    # The rule alone, on a 20 ms rclone mount's figures (36 reads/s through one descriptor,
-    # 168 over 8, 236 over 16, fewer again over 64): the timing itself is scripted.
-    mount = readpath.Mount(7, "/mnt/bucket", "fuse.rclone", "remote:bucket")
-
-    def spread(rates: dict[int, float], pread: float = 36.0, places=None) -> readpath.Choice:
-        choice = readpath.Choice(mount, "pread", "measured", asked=1024, latency_s=0.025,
-                                 rates={"pread": pread, "mmap": pread}, ceilings={"pread": 0.9, "mmap": 0.9},
-                                 probe_concurrency=64)
-        timed: list[int] = []
-
-        def fake(choice_: readpath.Choice, path: str, offsets: list[int], k: int, read_bytes: int) -> float | None:
-            timed.append(k)
-            assert len(offsets) == 4 * k
-            return rates.get(k)
-        monkeypatch.setattr(readpath, "_time_spread", fake)
-        readpath.time_handles(choice, "/mnt/bucket/f", 1 << 30, places=places)
-        assert timed[:len(choice.spread_rates)] == list(choice.spread_rates)
-        return choice
-
-    c = spread({8: 168, 16: 236, 32: 240})  # 32 gains under 10% on 16: 16 stays
-    assert (list(c.spread_rates), c.spread, c.handles) == ([8, 16, 32], (16, 236), 16)
-    c = spread({8: 168, 16: 236, 32: 300})
-    assert (c.spread, c.handles) == ((32, 300), 32)
-    c = spread({8: 168, 16: 150, 32: 500})  # 16 lost: 32 is never timed
-    assert (list(c.spread_rates), c.spread, c.handles) == ([8, 16], (8, 168), 8)
-    c = spread({8: 40, 16: 41}, pread=38)  # no count pays 25% over one descriptor: one stays
-    assert (c.spread, c.handles) == ((8, 40), 1)
-    c = spread({8: 168, 16: 236}, places=lambda k: ("/mnt/bucket/f", list(range(4 * k))) if k < 16 else None)
-    assert (list(c.spread_rates), c.spread, c.handles) == ([8], (8, 168), 8)  # no places for 16: it stops

@@ -446,7 +446,7 @@ class LocalStore(Store):
         if new is None:
             return
         if readpath.keeps_spread(old, new):  # its files stay spread, read by preads
-            new.path, new.handles, new.spread, new.spread_rates = "pread", old.handles, old.spread, old.spread_rates
+            new.path, new.handles, new.spread = "pread", old.handles, old.spread
         with self._pin_lock:
             asked, achieved = watch.last_window or (0.0, 0.0)
             rates = readpath.rates_line(new)

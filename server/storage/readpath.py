@@ -35,7 +35,6 @@ import os
 import random
 import threading
 import time
-from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from . import mounts, native
@@ -169,8 +168,7 @@ class Choice:
     #: Descriptors of each pinned file its preads are spread over (a daemon-bound mount whose
     #: daemon serves files apart in parallel: `time_handles`), and what they completed at once.
     handles: int = 1
-    spread: tuple[int, float] | None = None  # (descriptors, reads/s): the fastest spread timed
-    spread_rates: dict[int, float] = field(default_factory=dict)  # descriptors -> reads/s, each count timed
+    spread: tuple[int, float] | None = None  # (descriptors, reads/s) where spread preads were timed
 
     @property
     def ceiling(self) -> float:
@@ -311,16 +309,11 @@ def daemon_bound(choice: Choice) -> bool:
             and c["mmap"] < _UNCAPPED_SHARE * choice.probe_concurrency)
 
 
-#: Descriptors of a file a daemon-bound mount's preads may be spread over, timed in turn
-#: (`time_handles`): rclone serves an open file's reads one at a time, but files opened apart in
-#: parallel (through a 20 ms rclone mount, random 1 KiB reads of one file made 36 reads/s through
-#: one descriptor, 141 through 4, 168 through 8 and 236 through 16, and fewer again through 64),
-#: so the count is measured per mount, not fixed.
-HANDLE_COUNTS = (8, 16, 32)
-#: The least of HANDLE_COUNTS (what a mount whose timing stopped at the first gets).
-HANDLES = HANDLE_COUNTS[0]
-#: A larger count is timed only while the last one gained this much on the one before it.
-HANDLES_GAIN = 1.1
+#: Descriptors of a file a daemon-bound mount's preads are spread over, when that pays: rclone
+#: serves an open file's reads one at a time, but files opened apart in parallel (through a 20 ms
+#: rclone mount, random 1 KiB reads of one file made 36 reads/s through one descriptor, 141
+#: through 4 and 236 through 16, and fewer again through 64).
+HANDLES = 8
 
 
 def keeps_spread(old: Choice, new: Choice) -> bool:
@@ -336,43 +329,19 @@ def keeps_spread(old: Choice, new: Choice) -> bool:
     return new.path == "pread" or new.rates.get(new.path, 0.0) < MARGIN * old.spread[1]
 
 
-def time_handles(choice: Choice, path: str, size: int, counts: Sequence[int] = HANDLE_COUNTS,
-                 places: Callable[[int], tuple[str, list[int]] | None] | None = None,
+def time_handles(choice: Choice, path: str, size: int, k: int = HANDLES, offsets: list[int] | None = None,
                  read_bytes: int = _READ_BYTES) -> None:
-    """On a daemon-bound mount read by preads, time reads of `path` spread over each of
-    `counts` descriptors of it in turn (k descriptors: 4k reads, 2k at once on Python threads;
-    reads this slow leave the GIL idle), on to the next count only while the last gained
-    HANDLES_GAIN (a count is taken only over the last by that much); spread the store's preads
-    over the count taken when it completes MARGIN times what one descriptor does. `places(k)`: the file and the 4k offsets to read for k
-    descriptors, or None to stop (default: `path`, at pages drawn at random for each k)."""
+    """On a daemon-bound mount read by preads, time reads of `path` spread over `k`
+    descriptors of it, 2k at once on Python threads (reads this slow leave the GIL idle), and
+    spread the store's preads over that many when they complete MARGIN times what one does.
+    `offsets`: where to read (default: 4k pages of the file drawn at random)."""
     if not daemon_bound(choice) or choice.path != "pread" or "pread" not in choice.rates:
         return
-    best: tuple[int, float] | None = None
-    for k in counts:
-        where = places(k) if places is not None else _random_places(path, size, k)
-        rate = _time_spread(choice, *where, k, read_bytes) if where is not None else None
-        if rate is None:
-            break
-        choice.spread_rates[k] = rate
-        if best is not None and rate < HANDLES_GAIN * best[1]:
-            break  # more descriptors bought too little: the fewer stay
-        best = (k, rate)
-    if best is None:
-        return
-    choice.spread = best
-    if best[1] >= MARGIN * choice.rates["pread"]:
-        choice.handles = best[0]
-
-
-def _random_places(path: str, size: int, k: int) -> tuple[str, list[int]] | None:
-    """`path` at 4k pages drawn at random (None: too small for that many)."""
-    pages = _pages(size, 4 * k, seed=size + k)
-    return None if pages is None else (path, [p * _PAGE + 64 for p in pages])
-
-
-def _time_spread(choice: Choice, path: str, offsets: list[int], k: int, read_bytes: int) -> float | None:
-    """Reads/s of reads of `path` at `offsets` through `k` descriptors of it, 2k at once
-    (None: it could not be read)."""
+    if offsets is None:
+        pages = _pages(size, 4 * k, seed=size + 1)
+        if pages is None:
+            return
+        offsets = [p * _PAGE + 64 for p in pages]
     fds: list[int] = []
     try:
         for _ in range(k):
@@ -393,11 +362,14 @@ def _time_spread(choice: Choice, path: str, offsets: list[int], k: int, read_byt
         secs = time.perf_counter() - t0
     except OSError as e:
         log.info("storage: %s: reads over %d descriptors of a file could not be timed: %s", choice.mount.point, k, e)
-        return None
+        return
     finally:
         for fd in fds:
             os.close(fd)
-    return len(offsets) / max(secs, 1e-9)
+    rate = len(offsets) / max(secs, 1e-9)
+    choice.spread = (k, rate)
+    if rate >= MARGIN * choice.rates["pread"]:
+        choice.handles = k
 
 
 #: A daemon-bound mount's reads in flight at its storage are held to this many times the
@@ -435,8 +407,8 @@ def remedy(mount: Mount, want: int, choice: Choice | None = None) -> str:
 def rates_line(choice: Choice) -> str:
     """Each path's measured reads/s, and preads spread over descriptors where that was timed."""
     line = ", ".join(f"{p} {r:,.0f} reads/s" for p, r in choice.rates.items())
-    for k, rate in (choice.spread_rates or dict([choice.spread] if choice.spread is not None else [])).items():
-        line += f", pread over {k} descriptors {rate:,.0f} reads/s"
+    if choice.spread is not None:
+        line += f", pread over {choice.spread[0]} descriptors {choice.spread[1]:,.0f} reads/s"
     return line
 
 
