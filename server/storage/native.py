@@ -310,14 +310,20 @@ class _Pacer:
     threads signal again only once the done list has been emptied), so nothing is lost
     or delayed by more than a pace."""
 
-    __slots__ = ("pool", "loop", "last", "handle")
+    __slots__ = ("pool", "loop", "last", "handle", "paced")
 
     def __init__(self, pool: NativeReadPool, loop: asyncio.AbstractEventLoop):
         self.pool, self.loop = pool, loop
         self.last = float("-inf")
         self.handle: asyncio.TimerHandle | None = None
+        # A pool built before it measured its latency (`croupier.bench.readpool --against REV`
+        # loads older revisions' pools): drained as each completion is signalled, unpaced.
+        self.paced = hasattr(pool._pool, "latency")
 
     def readable(self) -> None:
+        if not self.paced:
+            self.drain()
+            return
         pace = min(PACE_MAX_S, PACE_SHARE * self.pool._pool.latency)
         if pace < PACE_MIN_S or self.loop.time() - self.last >= pace:
             self.drain()
