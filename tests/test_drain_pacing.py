@@ -168,4 +168,4 @@ def test_the_pool_measures_its_reads_latency_queued_to_done(tmp_path: Path) -> N
     # Every read waited for the daemon's 20 ms at least: so did their mean, and with it the
     # pace (the whole of PACE_MAX_S at this latency).
     assert latency >= 0.020
-    assert min(native.PACE_MAX_S, native.PACE_SHARE * latency) == native.PACE_MAX_S
+    assert native.pace_for(latency) == native.PACE_MAX_S

@@ -107,8 +107,8 @@ class WholeFiles:
 
     def __init__(self, inner: Any, cache: BlockCache, name: str):
         self.inner, self.cache, self.name = inner, cache, name
-        self.roots: tuple[str, ...] | None = getattr(inner, "roots", None)  # a ConfinedStore's; None: unconfined
-        self._roots = _roots(self.roots) if self.roots is not None else None
+        roots: tuple[str, ...] | None = getattr(inner, "roots", None)  # a ConfinedStore's; None: unconfined
+        self._roots = _roots(roots) if roots is not None else None
         self._versions: dict[str, tuple[FileVersion, FileKey]] = {}  # name -> what it led to when read
         self._reading: dict[str, asyncio.Future[bytes]] = {}  # names being read from storage now
         self._planned: list[str] = []

@@ -75,8 +75,7 @@ class NativeReadPool:
         self._pool = _NativePool(max_threads)
         self._futures: dict[int, asyncio.Future[bytes]] = {}
         self._token = 0
-        self._loops: list[asyncio.AbstractEventLoop] = []
-        self._pacers: dict[asyncio.AbstractEventLoop, _Pacer] = {}
+        self._pacers: dict[asyncio.AbstractEventLoop, _Pacer] = {}  # each loop that reads, watching the eventfd
         self._closed = False
 
     @property
@@ -88,12 +87,10 @@ class NativeReadPool:
         if self._closed:
             raise RuntimeError("the read pool is closed")
         loop = asyncio.get_running_loop()
-        if loop not in self._loops:
-            self._loops = [lp for lp in self._loops if not lp.is_closed()]
+        if loop not in self._pacers:
             self._pacers = {lp: p for lp, p in self._pacers.items() if not lp.is_closed()}
             pacer = self._pacers[loop] = _Pacer(self, loop)
             loop.add_reader(self._pool.fileno(), pacer.readable)
-            self._loops.append(loop)
         return loop
 
     @property
@@ -278,9 +275,8 @@ class NativeReadPool:
 
     def close(self) -> None:
         self._closed = True
-        for pacer in self._pacers.values():
+        for loop, pacer in self._pacers.items():
             pacer.cancel()
-        for loop in self._loops:
             if not loop.is_closed():
                 try:
                     loop.remove_reader(self._pool.fileno())
@@ -293,15 +289,21 @@ class NativeReadPool:
 #: least every PACE_MAX_S. Why: each wake-up costs the loop its Python (the drain, each
 #: group's callback chain, the stream's settling and chunking) however few reads it hands
 #: over, and reads of milliseconds land a few at a time: images on latencyfs at 5 ms came
-#: 3 a group's flush, 8 a wake. Paced to 1 ms, the server's CPU per image fell from 91-101
-#: to 79-83 us (the loop's from 45-50 to 37; the readers' too: the threads signal the
-#: eventfd only when the done list was empty) at the same images/s; each read waits half
-#: a pace more on average, which the tuner's in-flight target absorbs (Little's law).
+#: 3 a group's flush, 8 a wake. Paced to 1 ms, the loop's CPU per image with the cache off
+#: fell from 46.7-48.8 to 41.9-42.8 us at the same images/s (three alternating runs of
+#: bench/cpu_per_sample.py; server/storage/README.md); each read waits half a pace more on
+#: average, which the tuner's in-flight target absorbs (Little's law).
 PACE_SHARE = 0.2
 PACE_MAX_S = 0.001
 #: Paces below this are none: the loop's timers count whole milliseconds (libuv), and reads
 #: this fast (a local disk) would wait for the pace many times their own latency.
 PACE_MIN_S = 0.0005
+
+
+def pace_for(latency_s: float) -> float:
+    """The least time between two drains for reads of this mean latency (under PACE_MIN_S:
+    none, each completion drained as it is signalled)."""
+    return min(PACE_MAX_S, PACE_SHARE * latency_s)
 
 
 class _Pacer:
@@ -324,7 +326,7 @@ class _Pacer:
         if not self.paced:
             self.drain()
             return
-        pace = min(PACE_MAX_S, PACE_SHARE * self.pool._pool.latency)
+        pace = pace_for(self.pool._pool.latency)
         if pace < PACE_MIN_S or self.loop.time() - self.last >= pace:
             self.drain()
             return
