@@ -183,11 +183,20 @@ def test_a_killed_rank_takes_its_workers_with_it_and_its_output_is_drained(tmp_p
         assert rank.wait(time.monotonic() + 60) == -9
         assert not rank._reader.is_alive()  # the pipe reached its end: no process holds it any more
         (worker,) = [e["pid"] for e in rank.events if e["ev"] == "worker"]
-        try:
-            with open(f"/proc/{worker}/stat") as f:
-                assert f.read().split(") ")[1][0] == "Z"  # killed, not yet reaped by its new parent
-        except FileNotFoundError:
-            pass  # killed and reaped
+        # A killed process closes its files before it becomes a zombie, so the pipe's end can be read while the
+        # worker is still running its exit ('R'): wait, bounded, for it to be a zombie or reaped. A worker that
+        # was never killed sleeps ('S') for 600 s and fails this.
+        state = "S"
+        for _ in range(200):
+            try:
+                with open(f"/proc/{worker}/stat") as f:
+                    state = f.read().split(") ")[1][0]
+            except FileNotFoundError:
+                state = "gone"  # killed and reaped
+            if state in ("Z", "X", "gone"):
+                break
+            time.sleep(0.05)
+        assert state in ("Z", "X", "gone"), state
     finally:
         rank.kill()
         rank.close()
