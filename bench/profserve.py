@@ -8,7 +8,8 @@ time is the CPU its thread spent in it, system time of its syscalls included (a 
 through FUSE, a futex), and not the time it slept waiting for storage. When the server
 exits (SIGTERM: its graceful shutdown), the profiles are merged and OUT.json gets the
 top functions by self and by inclusive CPU time, the CPU by thread group, and the
-process's user and system CPU seconds (what is left over ran outside Python threads:
+process's user and system CPU seconds (CROUPIER_PROFSERVE_PSTATS=FILE: the merged profile
+too, for pstats' callers) (what is left over ran outside Python threads:
 grpc's C core, uvloop's I/O). A sampling profiler (py-spy) falls behind on a server with
 a thousand I/O threads; this counts every call instead, at the cost of slowing Python
 calls down (the shares, not the absolute rate, are what it is for).
@@ -64,19 +65,28 @@ def _cpu() -> tuple[float, float]:
     return t.user, t.system
 
 
-def summarize(profiles: list[tuple[str, cProfile.Profile]], top: int = 25) -> dict[str, Any]:
-    by_thread: dict[str, float] = {}
+def _merged(profiles: list[tuple[str, cProfile.Profile]]) -> pstats.Stats | None:
     merged: pstats.Stats | None = None
-    for name, p in profiles:
+    for _, p in profiles:
         try:
             st = pstats.Stats(p)
         except TypeError:  # a profile that never recorded anything
             continue
-        by_thread[_group(name)] = by_thread.get(_group(name), 0.0) + st.total_tt
         if merged is None:
             merged = st
         else:
             merged.add(st)
+    return merged
+
+
+def summarize(profiles: list[tuple[str, cProfile.Profile]], top: int = 25) -> dict[str, Any]:
+    by_thread: dict[str, float] = {}
+    for name, p in profiles:
+        try:
+            by_thread[_group(name)] = by_thread.get(_group(name), 0.0) + pstats.Stats(p).total_tt
+        except TypeError:  # a profile that never recorded anything
+            continue
+    merged = _merged(profiles)
     rows: list[dict[str, Any]] = []
     if merged is not None:
         for (file, line, func), (cc, nc, tt, ct, _callers) in merged.stats.items():  # type: ignore[attr-defined]
@@ -131,6 +141,9 @@ def main(argv: list[str] | None = None) -> int:
                         "threads_profiled": len(profiles)})
         with open(out, "w") as f:
             json.dump(summary, f, indent=1)
+        raw = os.environ.get("CROUPIER_PROFSERVE_PSTATS")
+        if raw:  # the merged profile itself, for pstats' callers and callees (`python -m pstats FILE`)
+            _merged(profiles).dump_stats(raw)
     return rc or 0
 
 
