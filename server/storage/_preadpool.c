@@ -90,6 +90,7 @@
 #include <sys/uio.h>
 #include <time.h>
 #include <sys/stat.h>
+#include <sys/syscall.h>
 #include <unistd.h>
 
 /* A read-only mapping of a file, shared by the Python object and the jobs reading it:
@@ -1071,6 +1072,113 @@ static PyObject *read_nowait(PyObject *mod, PyObject *args) {
     return out;
 }
 
+/* ---- files_nowait: small files read whole on the calling thread, from the page cache ---- */
+
+/* openat2(2)'s argument and flags (Linux 5.6, RESOLVE_CACHED 5.12), spelled out so the
+ * module builds where the kernel headers predate them; the kernel answers ENOSYS or EINVAL
+ * where it does not know them, and the caller stops asking. */
+struct croupier_open_how { unsigned long long flags, mode, resolve; };
+#define CROUPIER_RESOLVE_NO_XDEV 0x01ULL
+#define CROUPIER_RESOLVE_NO_MAGICLINKS 0x02ULL
+#define CROUPIER_RESOLVE_BENEATH 0x08ULL
+#define CROUPIER_RESOLVE_CACHED 0x20ULL
+#ifndef SYS_openat2
+#define SYS_openat2 437 /* the same number on every architecture */
+#endif
+
+/* One file for files_nowait: its value as the pool's job would give it (bytes, or for
+ * JOB_WHOLE (bytes, real, dev, ino, size, mtime_ns)), NULL with no error set where it
+ * cannot be read now without waiting (left to the pool, which says why where it fails),
+ * NULL with an error set where this way of reading is not available at all. */
+static PyObject *file_nowait(int dirfd, const char *rel, int kind, const char *roots, size_t roots_len,
+                             long long max_bytes) {
+    struct croupier_open_how how = {O_RDONLY | O_CLOEXEC | O_NONBLOCK | O_NOCTTY, 0,
+                                    CROUPIER_RESOLVE_CACHED | CROUPIER_RESOLVE_BENEATH | CROUPIER_RESOLVE_NO_XDEV
+                                        | CROUPIER_RESOLVE_NO_MAGICLINKS};
+    int fd = (int)syscall(SYS_openat2, dirfd, rel, &how, sizeof how);
+    if (fd < 0) {
+        if (errno == ENOSYS || errno == EINVAL || errno == EPERM) { /* no openat2, or not these flags */
+            errno = ENOSYS;
+            PyErr_SetFromErrno(PyExc_OSError);
+        }
+        return NULL; /* EAGAIN (a name not cached), EXDEV (another mount), ENOENT...: the pool's */
+    }
+    char real[PATH_MAX + 1];
+    ssize_t n = roots || kind != JOB_READ ? fd_real_path(fd, real) : 0;
+    struct stat st, after;
+    PyObject *data = NULL;
+    if ((roots && !real_under_roots(real, n, roots, roots_len)) || (kind != JOB_READ && n <= 0)) goto out;
+    if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode) || st.st_size > max_bytes) goto out;
+    data = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)st.st_size);
+    if (!data) goto out;
+    size_t have = 0;
+    while (have < (size_t)st.st_size) {
+        struct iovec v = {PyBytes_AS_STRING(data) + have, (size_t)st.st_size - have};
+        ssize_t got = preadv2(fd, &v, 1, (off_t)have, RWF_NOWAIT);
+        if (got < 0 && errno == EINTR) continue;
+        if (got < 0 && (errno == EOPNOTSUPP || errno == EINVAL)) { /* this file system does not take RWF_NOWAIT */
+            Py_CLEAR(data);
+            errno = EOPNOTSUPP;
+            PyErr_SetFromErrno(PyExc_OSError);
+            goto out;
+        }
+        if (got <= 0) { Py_CLEAR(data); goto out; } /* EAGAIN: a page not cached; 0: it shrank */
+        have += (size_t)got;
+    }
+    if (kind == JOB_WHOLE && (fstat(fd, &after) != 0 || after.st_size != st.st_size
+                              || after.st_mtim.tv_sec != st.st_mtim.tv_sec || after.st_mtim.tv_nsec != st.st_mtim.tv_nsec)) {
+        Py_CLEAR(data); /* changed while read: the pool reads it again */
+        goto out;
+    }
+    if (kind == JOB_WHOLE) {
+        long long mtime_ns = (long long)st.st_mtim.tv_sec * 1000000000LL + st.st_mtim.tv_nsec;
+        PyObject *bytes = data;
+        data = Py_BuildValue("(N y#KKLL)", bytes, real, (Py_ssize_t)n, (unsigned long long)st.st_dev,
+                             (unsigned long long)st.st_ino, (long long)st.st_size, mtime_ns);
+    }
+out:
+    close(fd);
+    return data;
+}
+
+/* files_nowait(dirfd, names, kind, roots, max_bytes) -> [value | None, ...]: each name
+ * (relative to the open folder `dirfd`, bytes, or None to skip it) opened, checked and read
+ * whole now, on the calling thread, where nothing would wait: its path already in the
+ * kernel's lookup cache (RESOLVE_CACHED), beneath `dirfd` on the same mount (RESOLVE_BENEATH,
+ * RESOLVE_NO_XDEV: never another file system's open, a FUSE daemon's say), every page in
+ * the page cache (RWF_NOWAIT), at most `max_bytes`, a regular file, its real path under
+ * `roots` (as the pool checks it); None for a file that is not (the pool reads it, and
+ * names any error). OSError(ENOSYS) where the kernel has no openat2 with these flags,
+ * OSError(EOPNOTSUPP) where the file system does not take RWF_NOWAIT: the caller stops
+ * asking. Why: a small cached file costs a few syscalls here, against a thread woken, a
+ * hand-back through the eventfd and a drain on the pool (images on a local disk). */
+static PyObject *files_nowait(PyObject *mod, PyObject *args) {
+    int dirfd, kind;
+    PyObject *names, *roots_obj;
+    long long max_bytes;
+    if (!PyArg_ParseTuple(args, "iOiOL", &dirfd, &names, &kind, &roots_obj, &max_bytes)) return NULL;
+    if (kind != JOB_READ && kind != JOB_WHOLE) { PyErr_SetString(PyExc_ValueError, "kind must be 0 or 1"); return NULL; }
+    const char *roots = NULL;
+    Py_ssize_t roots_len = 0;
+    if (roots_obj != Py_None && PyBytes_AsStringAndSize(roots_obj, (char **)&roots, &roots_len) < 0) return NULL;
+    PyObject *seq = PySequence_Fast(names, "names must be a sequence");
+    if (!seq) return NULL;
+    Py_ssize_t count = PySequence_Fast_GET_SIZE(seq);
+    PyObject *out = PyList_New(count);
+    for (Py_ssize_t i = 0; out && i < count; i++) {
+        PyObject *name = PySequence_Fast_GET_ITEM(seq, i), *value = NULL;
+        if (name != Py_None) {
+            if (!PyBytes_Check(name)) { PyErr_Format(PyExc_TypeError, "name %zd is not bytes or None", i); Py_CLEAR(out); break; }
+            value = file_nowait(dirfd, PyBytes_AS_STRING(name), kind, roots, (size_t)roots_len, max_bytes);
+            if (!value && PyErr_Occurred()) { Py_CLEAR(out); break; }
+        }
+        if (!value) value = Py_NewRef(Py_None);
+        PyList_SET_ITEM(out, i, value);
+    }
+    Py_DECREF(seq);
+    return out;
+}
+
 static PyMethodDef module_methods[] = {
     {"measure", measure, METH_VARARGS,
      "measure(fd, mapping | None, offsets, size, concurrency[, align]) -> (seconds, errors, threads, seconds_dry, done_dry, cpu_seconds)"},
@@ -1078,6 +1186,9 @@ static PyMethodDef module_methods[] = {
      "measure_files(paths, concurrency[, max_bytes]) -> (seconds, errors, threads, bytes, cpu_seconds, skipped): "
      "each file opened, fstat'ed, read whole and closed by bare threads, concurrency at once; a file whose size "
      "would take the bytes read past max_bytes is closed unread (skipped)"},
+    {"files_nowait", files_nowait, METH_VARARGS,
+     "files_nowait(dirfd, names, kind, roots, max_bytes) -> [value | None, ...]: small files under dirfd read whole "
+     "now where nothing would wait (lookup and page cache), None for the rest"},
     {"read_nowait", read_nowait, METH_VARARGS,
      "read_nowait(fd, ranges, max_bytes) -> [bytes, ...] | None: the ranges from the page cache now, else None"},
     {"direct_alignment", direct_alignment, METH_VARARGS,

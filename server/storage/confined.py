@@ -35,6 +35,7 @@ from typing import Any
 from .base import FileEntry, FileVersion, Range, Store
 from . import native
 from .local import LocalStore, _pread_all, path_version, read_whole_versioned_fd, scandir_names
+from .inline_files import InlineFiles
 from .native import roots_blob
 
 #: Linux: the kernel's path of an open descriptor, authoritative after symlinks.
@@ -80,6 +81,8 @@ class ConfinedStore(Store):
         # unpinned files (images) stay on GIL-free threads.
         self._native = inner.native if _HAVE_PROC else None
         self._roots_blob = roots_blob(self.roots)
+        # Small cached files under the roots read on the loop (images on a local disk).
+        self._inline = InlineFiles(self.roots, enabled=bool(getattr(inner, "inline", False)) and self._native is not None)
 
     def __getattr__(self, name: str) -> Any:  # pool, native, threads...: the inner store's
         return getattr(self.inner, name)
@@ -222,10 +225,14 @@ class ConfinedStore(Store):
 
     def submit_files(self, paths: Sequence[str], versioned: bool, callback: Callable[..., None]) -> bool:
         """Files read whole by one call, each opened, checked under the roots and read by a
-        native thread, as `submit_whole` reads one."""
+        native thread, as `submit_whole` reads one; those a local disk's page cache holds read
+        on the loop instead (inline_files.py), checked the same way."""
         if self._native is None or not paths or any(p in self._pins for p in paths):
             return False
-        native.start_files(self._native, self.stats, paths, self._roots_blob, versioned, callback, self._native_error)
+        now = native.start_files(self._native, self.stats, paths, self._roots_blob, versioned, callback, self._native_error,
+                                 self._inline)
+        if now:
+            self.inner.inline_reads += now
         return True
 
     def submit_versions(self, paths: Sequence[str], callback: Callable[..., None]) -> bool:
@@ -292,5 +299,6 @@ class ConfinedStore(Store):
         return await self.inner.pool.submit(self._preads_checked, path, ranges)
 
     def close(self) -> None:
+        self._inline.close()
         for path in list(self._pins):
             self.unpin(path)

@@ -236,7 +236,8 @@ class LocalStore(Store):
     ):
         super().__init__()
         #: Read ranges the page cache holds on the loop (RWF_NOWAIT) where the file system
-        #: takes it; from CROUPIER_INLINE_READS (default on) when None.
+        #: takes it, and (through a ConfinedStore) small cached files whole (inline_files.py);
+        #: from CROUPIER_INLINE_READS (default on) when None.
         self.inline = (os.environ.get(INLINE_ENV, "1") != "0") if inline_reads is None else inline_reads
         #: "pread", "mmap" or "auto" (measure per mount); from CROUPIER_READ_PATH when None.
         self.read_path = readpath.resolve(read_path)

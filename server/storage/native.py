@@ -33,6 +33,10 @@ try:
     from ._preadpool import Mapping, Pool as _NativePool, direct_alignment, measure, measure_files, read_nowait
 except ImportError:  # built without a compiler: the Python pool serves instead
     _NativePool = Mapping = measure = measure_files = direct_alignment = read_nowait = None  # type: ignore[assignment,misc]
+try:  # a module built before files_nowait (readpool --against REV loads older pools' modules)
+    from ._preadpool import files_nowait
+except ImportError:
+    files_nowait = None  # type: ignore[assignment]
 
 
 class DirectFile(NamedTuple):
@@ -524,11 +528,14 @@ FILE_BYTES, FILE_WHOLE, FILE_IDENTIFY = 0, 1, 2
 
 def start_files(pool: NativeReadPool, stats: StoreStats, paths: Sequence[str], roots: bytes | None, versioned: bool,
                 callback: Callable[[list[tuple[int, Any, BaseException | None]]], None],
-                error: Callable[[OSError, str], BaseException] | None = None) -> None:
+                error: Callable[[OSError, str], BaseException] | None = None, inline: Any = None) -> int:
     """A store's `submit_files` on the native pool: `paths` read whole by one call, counted
     in `stats` as one read each; `callback(done)` once per wake-up with the files landed
     since, each (position, bytes or (bytes, FileVersion), None) or (position, None, error),
-    an error passed through `error(exc, path)` where the store maps them (confinement)."""
+    an error passed through `error(exc, path)` where the store maps them (confinement).
+    `inline` (an inline_files.InlineFiles): the files it can read now on the loop are read
+    so and handed over on the loop's next turn, the rest go to the pool. Returns how many
+    were read on the loop."""
     stats.started(len(paths))
 
     def landed(done: list[tuple[int, Any, OSError | None]], nbytes: int) -> None:
@@ -546,11 +553,33 @@ def start_files(pool: NativeReadPool, stats: StoreStats, paths: Sequence[str], r
             stats.finished(0, bad, ok=False)
         callback(done)  # type: ignore[arg-type]
 
+    kind = FILE_WHOLE if versioned else FILE_BYTES
+    ready = inline.read_now(paths, kind, roots) if inline is not None else None
+    now = [] if ready is None else [(i, value, None) for i, value in enumerate(ready) if value is not None]
+    if now:
+        nbytes = sum(len(v) if type(v) is bytes else len(v[0]) for _, v, _ in now)
+        asyncio.get_running_loop().call_soon(landed, now, nbytes)
+        if len(now) == len(paths):
+            return len(now)
+        rest = [i for i, value in enumerate(ready) if value is None]  # type: ignore[arg-type]
+        pooled, to_pool = [paths[i] for i in rest], functools.partial(_renumbered, rest, landed)
+    else:
+        pooled, to_pool = paths, landed
     try:
-        pool.read_files_then(paths, roots, FILE_WHOLE if versioned else FILE_BYTES, landed)
-    except BaseException:  # not submitted (the pool closed): not in flight
-        stats.finished(0, len(paths), ok=False)
-        raise
+        pool.read_files_then(pooled, roots, kind, to_pool)
+    except Exception as exc:  # not submitted (the pool closed): not in flight
+        if not now:
+            stats.finished(0, len(pooled), ok=False)
+            raise
+        # Part of the group is handed over already: the rest fail in the same way, never twice.
+        failed = OSError(errno.ECANCELED, f"not read: {exc}")
+        asyncio.get_running_loop().call_soon(to_pool, [(j, None, failed) for j in range(len(pooled))], 0)
+    return len(now)
+
+
+def _renumbered(positions: list[int], landed: Callable, done: list[tuple[int, Any, OSError | None]], nbytes: int) -> None:
+    """Files landed from a part of a group, by their positions in the whole group."""
+    landed([(positions[j], value, err) for j, value, err in done], nbytes)
 
 
 def start_identities(pool: NativeReadPool, paths: Sequence[str], roots: bytes | None,
