@@ -118,7 +118,8 @@ class StorageStats:
                                     labels=["mount", "path"])
         reads = CounterMetricFamily("croupier_storage_path_reads", "Reads issued by each read path", labels=["path"])
         inline = CounterMetricFamily("croupier_storage_inline_reads",
-                                     "Reads done on the loop from the page cache (RWF_NOWAIT): ranges of open files, small files whole")
+                                     "Reads done on the loop from the page cache (RWF_NOWAIT): "
+                                     "ranges of open files, small files whole")
         limit = GaugeMetricFamily("croupier_storage_read_limit",
                                   "Reads a daemon-bound mount may have in flight at once (storage/gate.py)",
                                   labels=["mount"])

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
+import errno
 import mmap
 import os
 import random
@@ -183,3 +184,19 @@ def test_files_on_a_fuse_mount_are_never_read_on_the_loop(tmp_path: Path) -> Non
         assert store.inner.inline_reads == 0 and store.inner.native._token == 8
         assert fs.stats()["opens"] - daemon["opens"] >= 8  # every file opened on the pool's threads
         assert store._inline.off  # a FUSE folder is not asked at all
+
+
+def test_a_group_read_partly_on_the_loop_when_the_pool_is_closed_fails_the_rest_once(tmp_path: Path) -> None:
+    """The cached files are handed over; the others, which the closed pool cannot take, each
+    fail once (ECANCELED), never twice and never lost."""
+    paths = _write(tmp_path, 10)
+    if not _evict(paths[5:]):
+        pytest.skip("the kernel kept the files' pages after POSIX_FADV_DONTNEED")
+    store = _confined(tmp_path, True)
+    store.inner.native.close()
+    got = _run(store, paths, False)
+    assert all(got[i] == (Path(p).read_bytes(), None) for i, p in enumerate(paths[:5]))
+    for i in range(5, 10):
+        value, err = got[i]
+        assert value is None and isinstance(err, OSError) and err.errno == errno.ECANCELED
+    assert (store.stats.in_flight, store.stats.errors) == (0, 5)  # every file counted as finished, once

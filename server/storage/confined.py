@@ -82,7 +82,8 @@ class ConfinedStore(Store):
         self._native = inner.native if _HAVE_PROC else None
         self._roots_blob = roots_blob(self.roots)
         # Small cached files under the roots read on the loop (images on a local disk).
-        self._inline = InlineFiles(self.roots, enabled=bool(getattr(inner, "inline", False)) and self._native is not None)
+        self._inline = InlineFiles(self.roots,
+                                   enabled=bool(getattr(inner, "inline", False)) and self._native is not None)
 
     def __getattr__(self, name: str) -> Any:  # pool, native, threads...: the inner store's
         return getattr(self.inner, name)
@@ -229,8 +230,8 @@ class ConfinedStore(Store):
         on the loop instead (inline_files.py), checked the same way."""
         if self._native is None or not paths or any(p in self._pins for p in paths):
             return False
-        now = native.start_files(self._native, self.stats, paths, self._roots_blob, versioned, callback, self._native_error,
-                                 self._inline)
+        now = native.start_files(self._native, self.stats, paths, self._roots_blob, versioned, callback,
+                                 self._native_error, self._inline)
         if now:
             self.inner.inline_reads += now
         return True

@@ -567,8 +567,8 @@ def start_files(pool: NativeReadPool, stats: StoreStats, paths: Sequence[str], r
         pooled, to_pool = paths, landed
     try:
         pool.read_files_then(pooled, roots, kind, to_pool)
-    except Exception as exc:  # not submitted (the pool closed): not in flight
-        if not now:
+    except BaseException as exc:  # not submitted (the pool closed): not in flight
+        if not now or not isinstance(exc, Exception):
             stats.finished(0, len(pooled), ok=False)
             raise
         # Part of the group is handed over already: the rest fail in the same way, never twice.
@@ -577,7 +577,8 @@ def start_files(pool: NativeReadPool, stats: StoreStats, paths: Sequence[str], r
     return len(now)
 
 
-def _renumbered(positions: list[int], landed: Callable, done: list[tuple[int, Any, OSError | None]], nbytes: int) -> None:
+def _renumbered(positions: list[int], landed: Callable, done: list[tuple[int, Any, OSError | None]],
+                nbytes: int) -> None:
     """Files landed from a part of a group, by their positions in the whole group."""
     landed([(positions[j], value, err) for j, value, err in done], nbytes)
 
