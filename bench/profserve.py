@@ -8,9 +8,9 @@ time is the CPU its thread spent in it, system time of its syscalls included (a 
 through FUSE, a futex), and not the time it slept waiting for storage. When the server
 exits (SIGTERM: its graceful shutdown), the profiles are merged and OUT.json gets the
 top functions by self and by inclusive CPU time, the CPU by thread group, and the
-process's user and system CPU seconds (CROUPIER_PROFSERVE_PSTATS=FILE: the merged profile
-too, for pstats' callers) (what is left over ran outside Python threads:
-grpc's C core, uvloop's I/O). A sampling profiler (py-spy) falls behind on a server with
+process's user and system CPU seconds (what is left over ran outside Python threads:
+grpc's C core, uvloop's I/O); with CROUPIER_PROFSERVE_PSTATS=FILE, FILE gets the merged
+profile itself, for pstats' callers and callees. A sampling profiler (py-spy) falls behind on a server with
 a thousand I/O threads; this counts every call instead, at the cost of slowing Python
 calls down (the shares, not the absolute rate, are what it is for).
 """
@@ -141,9 +141,9 @@ def main(argv: list[str] | None = None) -> int:
                         "threads_profiled": len(profiles)})
         with open(out, "w") as f:
             json.dump(summary, f, indent=1)
-        raw = os.environ.get("CROUPIER_PROFSERVE_PSTATS")
-        if raw:  # the merged profile itself, for pstats' callers and callees (`python -m pstats FILE`)
-            _merged(profiles).dump_stats(raw)
+        raw, merged = os.environ.get("CROUPIER_PROFSERVE_PSTATS"), _merged(profiles)
+        if raw and merged is not None:  # for pstats' callers and callees (`python -m pstats FILE`)
+            merged.dump_stats(raw)
     return rc or 0
 
 
