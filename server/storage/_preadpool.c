@@ -309,19 +309,36 @@ static void direct_job(job *j) {
 
 /* Open a path job's file (O_PATH for JOB_IDENTIFY: a name resolved, nothing opened on
  * the file system), check it, and keep which file it is for the kinds that say so. */
+/* The open file `fd` of a path job (or of files_nowait) checked: its resolved path `real`
+ * (`*n` bytes; read where there are roots or the kind says which file) under `roots`, and
+ * a regular file (`*st`). 0, or the errno its read fails with. */
+static int check_opened(int fd, int kind, const char *roots, size_t roots_len, char real[PATH_MAX + 1], ssize_t *n,
+                        struct stat *st) {
+    *n = roots || kind != JOB_READ ? fd_real_path(fd, real) : 0;
+    if (roots && !real_under_roots(real, *n, roots, roots_len)) return EXDEV;
+    if (kind != JOB_READ && *n <= 0) return errno ? errno : ENOENT;
+    if (fstat(fd, st) != 0) return errno;
+    if (!S_ISREG(st->st_mode)) return EISDIR;
+    return 0;
+}
+
+/* The file `fd` still has the size and mtime of `st` (else it changed while it was read). */
+static int unchanged_since(int fd, const struct stat *st) {
+    struct stat now;
+    return fstat(fd, &now) == 0 && now.st_size == st->st_size && now.st_mtim.tv_sec == st->st_mtim.tv_sec
+           && now.st_mtim.tv_nsec == st->st_mtim.tv_nsec;
+}
+
 static int open_checked(job *j) {
     /* O_NONBLOCK: a FIFO named like a data file must not block this thread in open(). */
     int flags = j->kind == JOB_IDENTIFY ? O_PATH | O_CLOEXEC : O_RDONLY | O_CLOEXEC | O_NONBLOCK | O_NOCTTY;
     int fd = open(j->path, flags);
     if (fd < 0) { j->err = errno; return -1; }
     char real[PATH_MAX + 1];
-    ssize_t n = j->roots || j->kind != JOB_READ ? fd_real_path(fd, real) : 0;
+    ssize_t n;
     struct stat st;
-    if (j->roots && !real_under_roots(real, n, j->roots, j->roots_len)) j->err = EXDEV;
-    else if (j->kind != JOB_READ && n <= 0) j->err = errno ? errno : ENOENT;
-    else if (fstat(fd, &st) != 0) j->err = errno;
-    else if (!S_ISREG(st.st_mode)) j->err = EISDIR;
-    else if (j->kind != JOB_READ && !(j->real = strndup(real, (size_t)n))) j->err = ENOMEM;
+    j->err = check_opened(fd, j->kind, j->roots, j->roots_len, real, &n, &st);
+    if (!j->err && j->kind != JOB_READ && !(j->real = strndup(real, (size_t)n))) j->err = ENOMEM;
     if (j->err) { close(fd); return -1; }
     if (j->kind != JOB_READ) j->st = st;
     if (j->size < 0) j->size = st.st_size > j->offset ? st.st_size - j->offset : 0;
@@ -338,12 +355,9 @@ static void run_job(job *j) {
         if (j->kind == JOB_IDENTIFY) { close(fd); return; }
     }
     pread_into(j, fd);
-    if (j->kind == JOB_WHOLE && !j->err) { /* changed while read: these bytes are no version to keep */
-        struct stat after;
-        if (fstat(fd, &after) != 0 || after.st_size != j->st.st_size || after.st_mtim.tv_sec != j->st.st_mtim.tv_sec
-            || after.st_mtim.tv_nsec != j->st.st_mtim.tv_nsec || j->got != j->st.st_size)
-            j->st.st_size = -1;
-    }
+    /* changed while read: these bytes are no version to keep */
+    if (j->kind == JOB_WHOLE && !j->err && (!unchanged_since(fd, &j->st) || j->got != j->st.st_size))
+        j->st.st_size = -1;
     if (own) close(fd);
 }
 
@@ -894,15 +908,20 @@ static void free_job(job *j) {
 }
 
 /* A finished job's result: its bytes, and for the kinds that say which file, that too. */
+/* Which file it was, (real, dev, ino, size, mtime_ns), after `data` where given (stolen):
+ * JOB_WHOLE's (data, real, ...) and JOB_IDENTIFY's (real, ...). */
+static PyObject *file_value(PyObject *data, const char *real, const struct stat *st) {
+    long long mtime_ns = (long long)st->st_mtim.tv_sec * 1000000000LL + st->st_mtim.tv_nsec;
+    unsigned long long dev = (unsigned long long)st->st_dev, ino = (unsigned long long)st->st_ino;
+    if (!data) return Py_BuildValue("(yKKLL)", real, dev, ino, (long long)st->st_size, mtime_ns);
+    return Py_BuildValue("(NyKKLL)", data, real, dev, ino, (long long)st->st_size, mtime_ns);
+}
+
 static PyObject *job_value(job *j) {
-    long long mtime_ns = (long long)j->st.st_mtim.tv_sec * 1000000000LL + j->st.st_mtim.tv_nsec;
-    if (j->kind == JOB_IDENTIFY)
-        return Py_BuildValue("(y KKLL)", j->real, (unsigned long long)j->st.st_dev, (unsigned long long)j->st.st_ino,
-                             (long long)j->st.st_size, mtime_ns);
+    if (j->kind == JOB_IDENTIFY) return file_value(NULL, j->real, &j->st);
     PyObject *data = PyBytes_FromStringAndSize(j->buf, (Py_ssize_t)j->got);
     if (!data || j->kind == JOB_READ) return data;
-    return Py_BuildValue("(N yKKLL)", data, j->real, (unsigned long long)j->st.st_dev, (unsigned long long)j->st.st_ino,
-                         (long long)j->st.st_size, mtime_ns);
+    return file_value(data, j->real, &j->st);
 }
 
 static PyObject *Pool_drain(Pool *p, PyObject *unused) {
@@ -1104,11 +1123,10 @@ static PyObject *file_nowait(int dirfd, const char *rel, int kind, const char *r
         return NULL; /* EAGAIN (a name not cached), EXDEV (another mount), ENOENT...: the pool's */
     }
     char real[PATH_MAX + 1];
-    ssize_t n = roots || kind != JOB_READ ? fd_real_path(fd, real) : 0;
-    struct stat st, after;
+    ssize_t n;
+    struct stat st;
     PyObject *data = NULL;
-    if ((roots && !real_under_roots(real, n, roots, roots_len)) || (kind != JOB_READ && n <= 0)) goto out;
-    if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode) || st.st_size > max_bytes) goto out;
+    if (check_opened(fd, kind, roots, roots_len, real, &n, &st) != 0 || st.st_size > max_bytes) goto out;
     data = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)st.st_size);
     if (!data) goto out;
     size_t have = 0;
@@ -1125,17 +1143,8 @@ static PyObject *file_nowait(int dirfd, const char *rel, int kind, const char *r
         if (got <= 0) { Py_CLEAR(data); goto out; } /* EAGAIN: a page not cached; 0: it shrank */
         have += (size_t)got;
     }
-    if (kind == JOB_WHOLE && (fstat(fd, &after) != 0 || after.st_size != st.st_size
-                              || after.st_mtim.tv_sec != st.st_mtim.tv_sec || after.st_mtim.tv_nsec != st.st_mtim.tv_nsec)) {
-        Py_CLEAR(data); /* changed while read: the pool reads it again */
-        goto out;
-    }
-    if (kind == JOB_WHOLE) {
-        long long mtime_ns = (long long)st.st_mtim.tv_sec * 1000000000LL + st.st_mtim.tv_nsec;
-        PyObject *bytes = data;
-        data = Py_BuildValue("(N y#KKLL)", bytes, real, (Py_ssize_t)n, (unsigned long long)st.st_dev,
-                             (unsigned long long)st.st_ino, (long long)st.st_size, mtime_ns);
-    }
+    if (kind == JOB_WHOLE && !unchanged_since(fd, &st)) Py_CLEAR(data); /* changed while read: the pool reads it again */
+    else if (kind == JOB_WHOLE) data = file_value(data, real, &st);
 out:
     close(fd);
     return data;

@@ -40,7 +40,6 @@ class InlineFiles:
         self._skip = 0  # groups to send to the pool without trying
         self._backoff = 1
         self.off = not enabled or native.files_nowait is None
-        self.files = 0  # files read here
 
     def _open_folders(self) -> dict[str, int]:
         folders: dict[str, int] = {}
@@ -83,9 +82,7 @@ class InlineFiles:
             log.info("storage: small files under %s are read on the pool only: %s", prefix, exc)
             self.off = True
             return None
-        hits = len(got) - got.count(None)
-        if hits:
-            self.files += hits
+        if got.count(None) < len(got):
             self._backoff = 1
         else:
             self._skip = self._backoff
