@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import errno
+import gc
 import json
 import logging
 import os
@@ -277,6 +278,11 @@ async def start(config: ServerConfig) -> RunningServer:
 async def serve(config: ServerConfig, ready_file: str | None = None) -> None:
     """Run until SIGTERM/SIGINT, then drain open streams for `grace_s` and exit."""
     running = await start(config)
+    # What opening made (the catalog, its indexes and layouts) lives as long as the server:
+    # out of the collector's generations, its full collections stop walking it (text rows:
+    # 2.7% of the server's CPU in the collector, 1.2% after, by perf).
+    gc.collect()
+    gc.freeze()
     if ready_file:
         tmp = Path(ready_file + ".tmp")
         tmp.write_text(

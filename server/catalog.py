@@ -134,7 +134,9 @@ class Catalog:
         from croupier.server.storage.confined import ConfinedStore, dataset_roots
 
         inner = self.store if self.store is not None else default_local_store()
-        confined = ConfinedStore(inner, dataset_roots(path, self.data_roots), MemberOutsideRootsError)  # type: ignore[arg-type]
+        folder = path if os.path.isdir(path) else os.path.dirname(path)  # its files' names start with it
+        confined = ConfinedStore(inner, dataset_roots(path, self.data_roots), MemberOutsideRootsError,  # type: ignore[arg-type]
+                                 folders=(folder,))
         return self._cached(confined, path, owns=True)
 
     def _cached(self, store: Store, path: str, owns: bool) -> Store:

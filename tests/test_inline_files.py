@@ -18,9 +18,11 @@ from typing import Any
 import pytest
 
 from croupier.bench import latencyfs
+from croupier.client import ImageDecoding, Loader
 from croupier.server.storage import inline_files, native
 from croupier.server.storage.confined import ConfinedStore
 from croupier.server.storage.local import LocalStore
+from readers_data import write_imagefolder
 
 pytestmark = pytest.mark.skipif(native.files_nowait is None, reason="the native read pool is not built")
 
@@ -37,7 +39,8 @@ def _write(root: Path, n: int, seed: int = 0) -> list[str]:
 
 
 def _confined(root: Path, inline: bool) -> ConfinedStore:
-    return ConfinedStore(LocalStore(io_threads=2, inline_reads=inline), [str(root)])
+    # As the catalog makes it: the dataset's folder as given besides its resolved roots.
+    return ConfinedStore(LocalStore(io_threads=2, inline_reads=inline), [str(root)], folders=[str(root)])
 
 
 async def _group(store: ConfinedStore, paths: list[str], versioned: bool) -> dict[int, tuple[Any, Any]]:
@@ -104,6 +107,28 @@ def test_files_the_loop_does_not_read_go_to_the_pool_each_once_with_the_pools_er
     assert store.inner.inline_reads == len(good)
 
 
+def test_names_through_links_and_dots_beneath_the_folder_give_the_pools_real_paths(tmp_path: Path) -> None:
+    """A name resolved without links is the folder's real path and the name (no readlink on
+    the loop); a `.`, `..` or `//` in it, or a folder reached by a link, is read on the loop
+    with the real path the pool's check reads (the file's own); a link beneath the folder is
+    left to the pool (RESOLVE_CACHED does not follow one), with the same values."""
+    real = tmp_path / "real"
+    good = _write(real, 6)
+    os.symlink(real, tmp_path / "via")  # the dataset's folder reached through a link
+    os.symlink(real / "c1", real / "alias")  # a link beneath the folder, to a folder within it
+    os.symlink(good[0], real / "c2" / "file-link.bin")  # a link to a file within it
+    root = tmp_path / "via"
+    names = ["c0/f000.bin", "alias/f001.bin", "c2/file-link.bin", "c1/../c2/f002.bin", "c0/./f003.bin", "c1//f004.bin"]
+    paths = [f"{root}/{n}" for n in names]
+    store = _confined(root, True)
+    mine = _run(store, paths, True)
+    theirs = _run(_confined(root, False), paths, True)
+    assert mine == theirs
+    want = [good[0], good[1], good[0], good[2], good[3], good[4]]
+    assert [mine[i][0][1].real for i in range(len(paths))] == [os.path.realpath(w) for w in want]
+    assert store.inner.inline_reads == 4  # all but the two through links beneath the folder
+
+
 def _cached_pages(path: str) -> int:
     """Pages of the file the page cache holds, by mincore(2) on a mapping (reading would
     bring them back: an RWF_NOWAIT read that misses starts readahead)."""
@@ -150,7 +175,7 @@ def test_a_cold_disk_goes_to_the_pool_and_the_next_groups_skip_the_try(tmp_path:
     for group in groups:
         got = inline.read_now(group, native.FILE_BYTES, None)
         tried.append(got is not None)
-        assert got is None or got == [None] * 4  # nothing cached: all left to the pool
+        assert got is None or got == ([], [0, 1, 2, 3], 0)  # nothing cached: all left to the pool
     # tried, then 1 group skipped, tried, 2 skipped, tried: the skips double after each cold try
     assert tried == [True, False, True, False, False, True]
     for path in paths:
@@ -200,3 +225,26 @@ def test_a_group_read_partly_on_the_loop_when_the_pool_is_closed_fails_the_rest_
         value, err = got[i]
         assert value is None and isinstance(err, OSError) and err.errno == errno.ECANCELED
     assert (store.stats.in_flight, store.stats.errors) == (0, 5)  # every file counted as finished, once
+
+
+def test_a_server_reads_the_images_of_a_dataset_given_through_a_link_on_the_loop(serve_inprocess, tmp_path: Path) -> None:
+    """The user's path to the dataset is a link (/data -> a disk's folder, say): its images,
+    page-cached, are still read on the loop, and every one arrives as written."""
+    written = write_imagefolder(tmp_path / "disk" / "imgs", 8)
+    os.symlink(tmp_path / "disk", tmp_path / "data")
+    srv = serve_inprocess(datasets=[f"imgs={tmp_path / 'data' / 'imgs'}"])
+    loader = Loader("imgs", servers=srv.address, batch_size=4, seed=0, epoch=0, format="numpy",
+                    decoding=ImageDecoding(output="none"))
+    got = {}
+    try:
+        for batch in loader.batches():
+            for index, data in zip(batch.indices.tolist(), batch.data["image"]):
+                got[index] = bytes(data)
+    finally:
+        loader.close()
+    assert got == {i: (tmp_path / "disk" / "imgs" / rel).read_bytes() for i, (rel, _) in enumerate(written)}
+    (reader,) = srv.running.catalog.readers()
+    store = reader.store
+    while not isinstance(store, ConfinedStore):
+        store = store.inner
+    assert store.inner.inline_reads == len(written)  # each image once, none through the pool's threads

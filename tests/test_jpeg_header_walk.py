@@ -90,3 +90,32 @@ def test_any_buffer_is_read_and_a_non_buffer_is_refused() -> None:
     assert native.jpeg_problem(memoryview(data)) is None and native.jpeg_problem(bytearray(data)) is None
     with pytest.raises(TypeError):
         native.jpeg_problem("not bytes")
+
+
+def _checked_is_jpeg(data) -> bool:
+    try:
+        return images.checked_format(data, 0, "f") == "jpeg"
+    except Exception:
+        return False
+
+
+def test_a_groups_sound_jpegs_are_those_checked_format_passes_as_jpeg() -> None:
+    """`sound_jpegs` (one call for a read group) says True exactly where `checked_format`
+    returns "jpeg" for a landed read: never for a failed read, another format, a truncated
+    or corrupted JPEG, or data that is not bytes; the Python fallback says the same."""
+    rng = np.random.default_rng(3)
+    datas: list = [d for data in REAL for d in (data, data[: len(data) // 2], data[:3])]
+    for data in REAL:
+        b = bytearray(data)
+        b[int(rng.integers(2, data.index(b"\xff\xda")))] ^= 0xFF
+        datas.append(bytes(b))
+    png = io.BytesIO()
+    Image.new("RGB", (4, 4)).save(png, format="PNG")
+    datas += [png.getvalue(), b"", b"\xff\xd8", bytearray(REAL[0]), memoryview(REAL[0])]
+    landed = [(k, d, None) for k, d in enumerate(datas)] + [(len(datas), REAL[0], OSError("gone")), (len(datas) + 1, None, None)]
+    want = [err is None and type(d) is bytes and _checked_is_jpeg(d) for _, d, err in landed]
+    assert native.sound_jpegs(landed) == want
+    assert [err is None and type(d) is bytes and d[:3] == b"\xff\xd8\xff" and images._jpeg_problem_py(d) is None
+            for _, d, err in landed] == want  # the fallback's rule
+    assert want[0:len(REAL) * 3] == [True, False, False] * len(REAL)  # the real ones pass, their cuts do not
+    assert not any(want[len(REAL) * 3 + len(REAL):])  # the PNG, the stubs, the views, the failed and empty reads

@@ -9,6 +9,10 @@
  * every truncation of real files and on corrupted ones).
  *
  * jpeg_problem(data) -> str | None     data: any object with the buffer protocol
+ * sound_jpegs(landed) -> list[bool]      landed: [(position, data, error), ...] as a read
+ *                                        group hands them over; True where `error` is None
+ *                                        and `data` is bytes of a JPEG whose header walks
+ *                                        clean (one call a group, not three a file)
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -60,8 +64,35 @@ static PyObject *jpeg_problem(PyObject *self, PyObject *arg) {
     return out;
 }
 
+static PyObject *sound_jpegs(PyObject *self, PyObject *arg) {
+    PyObject *seq = PySequence_Fast(arg, "landed must be a sequence");
+    if (!seq) return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    PyObject *out = PyList_New(n);
+    for (Py_ssize_t k = 0; out && k < n; k++) {
+        PyObject *t = PySequence_Fast_GET_ITEM(seq, k), *data;
+        int ok = 0;
+        if (PyTuple_Check(t) && PyTuple_GET_SIZE(t) == 3 && PyTuple_GET_ITEM(t, 2) == Py_None
+            && PyBytes_Check(data = PyTuple_GET_ITEM(t, 1))) {
+            const unsigned char *d = (const unsigned char *)PyBytes_AS_STRING(data);
+            Py_ssize_t len = PyBytes_GET_SIZE(data);
+            if (len >= 3 && d[0] == 0xFF && d[1] == 0xD8 && d[2] == 0xFF) {
+                PyObject *problem = walk(d, len);
+                if (!problem) { Py_CLEAR(out); break; }
+                ok = problem == Py_None;
+                Py_DECREF(problem);
+            }
+        }
+        PyList_SET_ITEM(out, k, Py_NewRef(ok ? Py_True : Py_False));
+    }
+    Py_DECREF(seq);
+    return out;
+}
+
 static PyMethodDef methods[] = {
     {"jpeg_problem", jpeg_problem, METH_O, "What is structurally wrong with a JPEG's header (None: nothing seen)."},
+    {"sound_jpegs", sound_jpegs, METH_O,
+     "sound_jpegs(landed) -> [bool]: for each (position, data, error), error None and data a JPEG whose header walks clean."},
     {NULL, NULL, 0, NULL},
 };
 

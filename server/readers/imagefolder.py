@@ -17,7 +17,7 @@ from ..storage import Store, default_local_store
 from ..storage.mounts import object_store_mount_client
 from .base import DatasetError, DatasetInfo, ImagePayload, Reader, SampleError
 from .images import (IMAGE_EXTENSIONS, ImageItem, checked_format, image_nbytes, image_payload, is_image_name, read_bytes,
-                     read_error)
+                     read_error, sound_jpegs)
 from .listing import Progress, Tree
 from .tree_cache import cached_tree
 
@@ -158,8 +158,17 @@ class ImageFolderReader(Reader):
         return ()
 
     def _files_landed(self, indices: Sequence[int], paths: list[str], done: Callable, got: list[tuple[int, Any, Any]]) -> None:
-        item = self._item
-        done([(pos, *item(indices[pos], paths[pos], data, err)) for pos, data, err in got])
+        # Sound JPEGs (most images) checked by one call for the group and made items here;
+        # anything else through `_item`, which names what is wrong.
+        item, keys, labels, where = self._item, self.keys, self.labels, None if self._url_is_path else self._where
+        out = []
+        for (pos, data, err), sound in zip(got, sound_jpegs(got)):
+            if sound:
+                i, path = indices[pos], paths[pos]
+                out.append((pos, ImageItem(i, data, labels[i], "jpeg", keys[i], path if where is None else where(path)), None))
+            else:
+                out.append((pos, *item(indices[pos], paths[pos], data, err)))
+        done(out)
 
     def item_sizer(self, columns: Sequence[str] = ()) -> Callable[[ImageItem], int]:
         return image_nbytes

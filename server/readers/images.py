@@ -118,9 +118,21 @@ def _jpeg_problem_py(data: bytes) -> str | None:
 
 
 try:  # optional: an install without a C compiler walks in Python; the same messages either way
-    from ._imagecheck import jpeg_problem as _jpeg_problem
+    from ._imagecheck import jpeg_problem as _jpeg_problem, sound_jpegs as _sound_jpegs
 except ImportError:  # pragma: no cover - built by the package's install
     _jpeg_problem = _jpeg_problem_py
+    _sound_jpegs = None
+
+
+def sound_jpegs(landed: Sequence[tuple[int, object, object]]) -> list[bool]:
+    """For each (position, data, error) of a read group: True where the read did not fail
+    and `data` is a JPEG with nothing wrong in its header (`checked_format` would return
+    "jpeg"); False where `checked_format` must look (another format, or an error to name).
+    One call a group where the C walk is built."""
+    if _sound_jpegs is not None:
+        return _sound_jpegs(landed)
+    return [err is None and type(data) is bytes and data[:3] == b"\xff\xd8\xff" and _jpeg_problem(data) is None
+            for _, data, err in landed]
 
 
 def image_problem(data: bytes, fmt: str) -> str | None:

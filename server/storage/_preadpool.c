@@ -314,7 +314,8 @@ static void direct_job(job *j) {
  * a regular file (`*st`). 0, or the errno its read fails with. */
 static int check_opened(int fd, int kind, const char *roots, size_t roots_len, char real[PATH_MAX + 1], ssize_t *n,
                         struct stat *st) {
-    *n = roots || kind != JOB_READ ? fd_real_path(fd, real) : 0;
+    if (*n > 0) roots = NULL; /* `real` known: built beneath a folder checked under the roots (files_nowait) */
+    else *n = roots || kind != JOB_READ ? fd_real_path(fd, real) : 0;
     if (roots && !real_under_roots(real, *n, roots, roots_len)) return EXDEV;
     if (kind != JOB_READ && *n <= 0) return errno ? errno : ENOENT;
     if (fstat(fd, st) != 0) return errno;
@@ -335,7 +336,7 @@ static int open_checked(job *j) {
     int fd = open(j->path, flags);
     if (fd < 0) { j->err = errno; return -1; }
     char real[PATH_MAX + 1];
-    ssize_t n;
+    ssize_t n = 0;
     struct stat st;
     j->err = check_opened(fd, j->kind, j->roots, j->roots_len, real, &n, &st);
     if (!j->err && j->kind != JOB_READ && !(j->real = strndup(real, (size_t)n))) j->err = ENOMEM;
@@ -1099,22 +1100,48 @@ static PyObject *read_nowait(PyObject *mod, PyObject *args) {
 struct croupier_open_how { unsigned long long flags, mode, resolve; };
 #define CROUPIER_RESOLVE_NO_XDEV 0x01ULL
 #define CROUPIER_RESOLVE_NO_MAGICLINKS 0x02ULL
+#define CROUPIER_RESOLVE_NO_SYMLINKS 0x04ULL
 #define CROUPIER_RESOLVE_BENEATH 0x08ULL
 #define CROUPIER_RESOLVE_CACHED 0x20ULL
 #ifndef SYS_openat2
 #define SYS_openat2 437 /* the same number on every architecture */
 #endif
 
+/* `rel` names a file beneath its folder by plain components only (no "", "." or ".."), so
+ * that, resolved without links, its real path is the folder's followed by "/" and `rel`. */
+static int plain_relative(const char *rel) {
+    if (!*rel) return 0;
+    for (const char *c = rel;;) {
+        const char *end = strchr(c, '/');
+        size_t len = end ? (size_t)(end - c) : strlen(c);
+        if (len == 0 || (len == 1 && c[0] == '.') || (len == 2 && c[0] == '.' && c[1] == '.')) return 0;
+        if (!end) return 1;
+        c = end + 1;
+    }
+}
+
 /* One file for files_nowait: its value as the pool's job would give it (bytes, or for
  * JOB_WHOLE (bytes, real, dev, ino, size, mtime_ns)), NULL with no error set where it
  * cannot be read now without waiting (left to the pool, which says why where it fails),
- * NULL with an error set where this way of reading is not available at all. */
-static PyObject *file_nowait(int dirfd, const char *rel, int kind, const char *roots, size_t roots_len,
-                             long long max_bytes) {
+ * NULL with an error set where this way of reading is not available at all. `folder`: the
+ * real path of `dirfd` where it lies under the roots (NULL: not known to), so that a name
+ * resolved without links (RESOLVE_NO_SYMLINKS) is the folder's path and `rel` with no
+ * /proc/self/fd readlink to check it (about 2 us an image); a link on the way (ELOOP) is
+ * opened again and checked as the pool checks it. */
+static PyObject *file_nowait(int dirfd, const char *folder, size_t folder_len, const char *rel, int kind,
+                             const char *roots, size_t roots_len, long long max_bytes) {
+    const unsigned long long base = CROUPIER_RESOLVE_CACHED | CROUPIER_RESOLVE_BENEATH | CROUPIER_RESOLVE_NO_XDEV
+                                    | CROUPIER_RESOLVE_NO_MAGICLINKS;
+    size_t rel_len = strlen(rel);
+    int known = folder && folder_len + 1 + rel_len <= PATH_MAX && plain_relative(rel);
     struct croupier_open_how how = {O_RDONLY | O_CLOEXEC | O_NONBLOCK | O_NOCTTY, 0,
-                                    CROUPIER_RESOLVE_CACHED | CROUPIER_RESOLVE_BENEATH | CROUPIER_RESOLVE_NO_XDEV
-                                        | CROUPIER_RESOLVE_NO_MAGICLINKS};
+                                    base | (known ? CROUPIER_RESOLVE_NO_SYMLINKS : 0)};
     int fd = (int)syscall(SYS_openat2, dirfd, rel, &how, sizeof how);
+    if (fd < 0 && known && errno == ELOOP) { /* a link beneath: resolved and checked as the pool does */
+        known = 0;
+        how.resolve = base;
+        fd = (int)syscall(SYS_openat2, dirfd, rel, &how, sizeof how);
+    }
     if (fd < 0) {
         if (errno == ENOSYS || errno == EINVAL || errno == EPERM) { /* no openat2, or not these flags */
             errno = ENOSYS;
@@ -1123,7 +1150,13 @@ static PyObject *file_nowait(int dirfd, const char *rel, int kind, const char *r
         return NULL; /* EAGAIN (a name not cached), EXDEV (another mount), ENOENT...: the pool's */
     }
     char real[PATH_MAX + 1];
-    ssize_t n;
+    ssize_t n = 0;
+    if (known) {
+        memcpy(real, folder, folder_len);
+        real[folder_len] = '/';
+        memcpy(real + folder_len + 1, rel, rel_len + 1);
+        n = (ssize_t)(folder_len + 1 + rel_len);
+    }
     struct stat st;
     PyObject *data = NULL;
     if (check_opened(fd, kind, roots, roots_len, real, &n, &st) != 0 || st.st_size > max_bytes) goto out;
@@ -1150,42 +1183,82 @@ out:
     return data;
 }
 
-/* files_nowait(dirfd, names, kind, roots, max_bytes) -> [value | None, ...]: each name
- * (relative to the open folder `dirfd`, bytes, or None to skip it) opened, checked and read
- * whole now, on the calling thread, where nothing would wait: its path already in the
- * kernel's lookup cache (RESOLVE_CACHED), beneath `dirfd` on the same mount (RESOLVE_BENEATH,
- * RESOLVE_NO_XDEV: never another file system's open, a FUSE daemon's say), every page in
- * the page cache (RWF_NOWAIT), at most `max_bytes`, a regular file, its real path under
- * `roots` (as the pool checks it); None for a file that is not (the pool reads it, and
- * names any error). OSError(ENOSYS) where the kernel has no openat2 with these flags,
+/* files_nowait(dirfd, prefix, paths, kind, roots, max_bytes) -> (landed, rest, nbytes): each
+ * of `paths` (str or bytes) that starts with `prefix` (the folder of `dirfd`, ending in
+ * "/") opened from `dirfd` by the rest of its name, checked and read whole now, on the
+ * calling thread, where nothing would wait: its path already in the kernel's lookup cache
+ * (RESOLVE_CACHED), beneath `dirfd` on the same mount (RESOLVE_BENEATH, RESOLVE_NO_XDEV:
+ * never another file system's open, a FUSE daemon's say), every page in the page cache
+ * (RWF_NOWAIT), at most `max_bytes`, a regular file, its real path under `roots` (as the
+ * pool checks it). `landed`: [(position, value, None)] of those read (the pool's values),
+ * `rest`: the positions of the others (the pool reads them, and names any error), `nbytes`:
+ * the bytes read. OSError(ENOSYS) where the kernel has no openat2 with these flags,
  * OSError(EOPNOTSUPP) where the file system does not take RWF_NOWAIT: the caller stops
  * asking. Why: a small cached file costs a few syscalls here, against a thread woken, a
- * hand-back through the eventfd and a drain on the pool (images on a local disk). */
+ * hand-back through the eventfd and a drain on the pool (images on a local disk), and the
+ * group's per-file bookkeeping is one call. */
 static PyObject *files_nowait(PyObject *mod, PyObject *args) {
     int dirfd, kind;
-    PyObject *names, *roots_obj;
+    PyObject *paths, *roots_obj;
+    const char *prefix;
+    Py_ssize_t prefix_len;
     long long max_bytes;
-    if (!PyArg_ParseTuple(args, "iOiOL", &dirfd, &names, &kind, &roots_obj, &max_bytes)) return NULL;
+    if (!PyArg_ParseTuple(args, "iy#OiOL", &dirfd, &prefix, &prefix_len, &paths, &kind, &roots_obj, &max_bytes))
+        return NULL;
     if (kind != JOB_READ && kind != JOB_WHOLE) { PyErr_SetString(PyExc_ValueError, "kind must be 0 or 1"); return NULL; }
     const char *roots = NULL;
     Py_ssize_t roots_len = 0;
     if (roots_obj != Py_None && PyBytes_AsStringAndSize(roots_obj, (char **)&roots, &roots_len) < 0) return NULL;
-    PyObject *seq = PySequence_Fast(names, "names must be a sequence");
+    /* The folder's real path, once a call: where it lies under the roots, so does every
+     * name resolved beneath it without a link. */
+    char folder[PATH_MAX + 1];
+    ssize_t folder_len = fd_real_path(dirfd, folder);
+    int folder_ok = folder_len > 0 && (!roots || real_under_roots(folder, folder_len, roots, (size_t)roots_len));
+    if (folder_ok && folder_len == 1) folder_len = 0; /* "/": "/" + "/" + rel would not be its real path */
+    PyObject *seq = PySequence_Fast(paths, "paths must be a sequence");
     if (!seq) return NULL;
     Py_ssize_t count = PySequence_Fast_GET_SIZE(seq);
-    PyObject *out = PyList_New(count);
-    for (Py_ssize_t i = 0; out && i < count; i++) {
-        PyObject *name = PySequence_Fast_GET_ITEM(seq, i), *value = NULL;
-        if (name != Py_None) {
-            if (!PyBytes_Check(name)) { PyErr_Format(PyExc_TypeError, "name %zd is not bytes or None", i); Py_CLEAR(out); break; }
-            value = file_nowait(dirfd, PyBytes_AS_STRING(name), kind, roots, (size_t)roots_len, max_bytes);
-            if (!value && PyErr_Occurred()) { Py_CLEAR(out); break; }
+    PyObject *landed = PyList_New(0), *rest = PyList_New(0), *result = NULL;
+    long long nbytes = 0;
+    for (Py_ssize_t i = 0; landed && rest && i < count; i++) {
+        PyObject *path = PySequence_Fast_GET_ITEM(seq, i), *encoded = NULL, *value = NULL;
+        if (PyUnicode_Check(path)) {
+            if (!(encoded = PyUnicode_EncodeFSDefault(path))) goto fail;
+        } else if (PyBytes_Check(path)) {
+            encoded = Py_NewRef(path);
+        } else {
+            PyErr_Format(PyExc_TypeError, "path %zd is not str or bytes", i);
+            goto fail;
         }
-        if (!value) value = Py_NewRef(Py_None);
-        PyList_SET_ITEM(out, i, value);
+        const char *name = PyBytes_AS_STRING(encoded);
+        if (PyBytes_GET_SIZE(encoded) > prefix_len && memcmp(name, prefix, (size_t)prefix_len) == 0
+            && strlen(name) == (size_t)PyBytes_GET_SIZE(encoded)) {
+            value = file_nowait(dirfd, folder_ok ? folder : NULL, (size_t)folder_len, name + prefix_len, kind, roots,
+                                (size_t)roots_len, max_bytes);
+        }
+        Py_DECREF(encoded);
+        if (!value && PyErr_Occurred()) goto fail;
+        PyObject *pos = PyLong_FromSsize_t(i);
+        if (!pos) { Py_XDECREF(value); goto fail; }
+        int bad;
+        if (value) {
+            nbytes += PyBytes_GET_SIZE(PyBytes_Check(value) ? value : PyTuple_GET_ITEM(value, 0));
+            PyObject *item = PyTuple_Pack(3, pos, value, Py_None);
+            Py_DECREF(value);
+            bad = !item || PyList_Append(landed, item) < 0;
+            Py_XDECREF(item);
+        } else {
+            bad = PyList_Append(rest, pos) < 0;
+        }
+        Py_DECREF(pos);
+        if (bad) goto fail;
     }
+    if (landed && rest) result = Py_BuildValue("(OOL)", landed, rest, nbytes);
+fail:
+    Py_XDECREF(landed);
+    Py_XDECREF(rest);
     Py_DECREF(seq);
-    return out;
+    return result;
 }
 
 static PyMethodDef module_methods[] = {
@@ -1196,8 +1269,9 @@ static PyMethodDef module_methods[] = {
      "each file opened, fstat'ed, read whole and closed by bare threads, concurrency at once; a file whose size "
      "would take the bytes read past max_bytes is closed unread (skipped)"},
     {"files_nowait", files_nowait, METH_VARARGS,
-     "files_nowait(dirfd, names, kind, roots, max_bytes) -> [value | None, ...]: small files under dirfd read whole "
-     "now where nothing would wait (lookup and page cache), None for the rest"},
+     "files_nowait(dirfd, prefix, paths, kind, roots, max_bytes) -> (landed, rest, nbytes): small files under "
+     "dirfd (the folder `prefix`) read whole now where nothing would wait (lookup and page cache): landed "
+     "[(position, value, None)], the positions of the rest, the bytes read"},
     {"read_nowait", read_nowait, METH_VARARGS,
      "read_nowait(fd, ranges, max_bytes) -> [bytes, ...] | None: the ranges from the page cache now, else None"},
     {"direct_alignment", direct_alignment, METH_VARARGS,

@@ -69,7 +69,8 @@ def dataset_roots(path: str, data_roots: Sequence[str]) -> tuple[str, ...]:
 class ConfinedStore(Store):
     """`inner` (the server's LocalStore), restricted to files under `roots`."""
 
-    def __init__(self, inner: LocalStore, roots: Sequence[str], raise_error: Callable[[str], Exception] | None = None):
+    def __init__(self, inner: LocalStore, roots: Sequence[str], raise_error: Callable[[str], Exception] | None = None,
+                 folders: Sequence[str] = ()):
         super().__init__()
         self.inner = inner
         self.scheme = inner.scheme
@@ -81,8 +82,9 @@ class ConfinedStore(Store):
         # unpinned files (images) stay on GIL-free threads.
         self._native = inner.native if _HAVE_PROC else None
         self._roots_blob = roots_blob(self.roots)
-        # Small cached files under the roots read on the loop (images on a local disk).
-        self._inline = InlineFiles(self.roots,
+        # Small cached files under the roots read on the loop (images on a local disk), also
+        # by the names the dataset gives them (`folders`: its path as given, a link maybe).
+        self._inline = InlineFiles(tuple(dict.fromkeys((*self.roots, *folders))),
                                    enabled=bool(getattr(inner, "inline", False)) and self._native is not None)
 
     def __getattr__(self, name: str) -> Any:  # pool, native, threads...: the inner store's

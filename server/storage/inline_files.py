@@ -58,9 +58,10 @@ class InlineFiles:
                 os.close(fd)
         return folders
 
-    def read_now(self, paths: Sequence[str], kind: int, roots: bytes | None) -> list | None:
-        """Each of `paths` read now where it can be (its value as the pool's `read_files_then`
-        gives it) or None; None for the whole group where it is not tried."""
+    def read_now(self, paths: Sequence[str], kind: int, roots: bytes | None) -> tuple[list, list[int], int] | None:
+        """The files of `paths` read now where they can be: ([(position, value, None)] with
+        the pool's values, the positions of the rest, the bytes read); None where the group
+        is not tried."""
         if self.off or not paths:
             return None
         if self._skip > 0:
@@ -74,15 +75,14 @@ class InlineFiles:
         prefix = next((p for p in self._folders if paths[0].startswith(p)), None)
         if prefix is None:
             return None
-        n = len(prefix)
-        names = [os.fsencode(p[n:]) if p.startswith(prefix) else None for p in paths]
         try:
-            got = native.files_nowait(self._folders[prefix], names, kind, roots, MAX_FILE_BYTES)  # type: ignore[misc]
+            got = native.files_nowait(self._folders[prefix], os.fsencode(prefix), paths, kind, roots,  # type: ignore[misc]
+                                      MAX_FILE_BYTES)
         except OSError as exc:
             log.info("storage: small files under %s are read on the pool only: %s", prefix, exc)
             self.off = True
             return None
-        if got.count(None) < len(got):
+        if got[0]:
             self._backoff = 1
         else:
             self._skip = self._backoff

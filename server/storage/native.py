@@ -553,15 +553,20 @@ def start_files(pool: NativeReadPool, stats: StoreStats, paths: Sequence[str], r
             stats.finished(0, bad, ok=False)
         callback(done)  # type: ignore[arg-type]
 
+    def landed_now(done: list[tuple[int, Any, None]], nbytes: int) -> None:  # read on the loop: none failed
+        if versioned:
+            done[:] = [(i, whole_result(value), None) for i, value, _ in done]
+        stats.finished(nbytes, len(done))
+        callback(done)
+
     kind = FILE_WHOLE if versioned else FILE_BYTES
     ready = inline.read_now(paths, kind, roots) if inline is not None else None
-    now = [] if ready is None else [(i, value, None) for i, value in enumerate(ready) if value is not None]
+    now: list = ready[0] if ready is not None else []
     if now:
-        nbytes = sum(len(v) if type(v) is bytes else len(v[0]) for _, v, _ in now)
-        asyncio.get_running_loop().call_soon(landed, now, nbytes)
-        if len(now) == len(paths):
+        _, rest, nbytes = ready  # type: ignore[misc]
+        asyncio.get_running_loop().call_soon(landed_now, now, nbytes)
+        if not rest:
             return len(now)
-        rest = [i for i, value in enumerate(ready) if value is None]  # type: ignore[arg-type]
         pooled, to_pool = [paths[i] for i in rest], functools.partial(_renumbered, rest, landed)
     else:
         pooled, to_pool = paths, landed
