@@ -211,3 +211,44 @@ def test_a_table_wider_than_the_native_walk_takes_is_walked_in_python_with_the_s
     by_groups, general, items = _both_ways(tmp_path / "wide.arrow", indices)
     assert by_groups.equals(general) and by_groups.equals(t.take(indices))
     assert all(type(it) is flat_rows.FlatRow for it in items)
+
+
+def _landed_rows() -> tuple[list, list[bytes]]:
+    rows, parts = [], []
+    for pos in range(5):
+        fetch = [(100 * pos + 10 * k, 3 + k, k) for k in range(1 + pos % 2)]  # one range or two
+        rows.append((pos, flat_rows.FlatRow(1000 + pos, [None, None], 32, ("a", "b")), fetch, 0, pos))
+        parts += [bytes([pos, k]) * 9 for _, _, k in fetch]
+        parts[-len(fetch):] = [p[:s] for p, (_, s, _) in zip(parts[-len(fetch):], fetch)]
+    return rows, parts
+
+
+def test_a_files_landed_parts_go_into_its_rows_as_fill_puts_them_or_nothing_changes(walk: str) -> None:
+    """`fill_landed` (one call for a file's rows) puts each part where `fill` would and counts
+    it in nbytes; where a part is short or a row is not a FlatRow it changes nothing and
+    says None, so the row-by-row loop names the short read."""
+    rows, parts = _landed_rows()
+    want, _ = _landed_rows()
+    at = 0
+    for _, item, fetch, _, _ in want:
+        assert flat_rows.fill(item, fetch, parts[at:at + len(fetch)]) is None
+        at += len(fetch)
+    got = flat_rows.fill_landed(rows, parts)
+    if walk == "python":
+        assert got is None  # the loop's work
+        return
+    assert got == [(pos, item, None) for pos, item, *_ in rows]
+    assert [(r[1].values, r[1].nbytes) for r in rows] == [(w[1].values, w[1].nbytes) for w in want]
+    for spoil in ("short", "long", "row item", "too few parts"):
+        rows, parts = _landed_rows()
+        if spoil == "short":
+            parts[3] = parts[3][:-1]
+        elif spoil == "long":
+            parts[-1] += b"x"
+        elif spoil == "row item":
+            rows[2] = (2, RowItem(1002, [], 32, ("a", "b")), rows[2][2], 0, 2)
+        else:
+            parts.pop()
+        assert flat_rows.fill_landed(rows, parts) is None, spoil
+        assert all(v is None for r in rows if type(r[1]) is flat_rows.FlatRow for v in r[1].values), spoil
+        assert all(r[1].nbytes == 32 for r in rows), spoil

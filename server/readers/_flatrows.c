@@ -18,6 +18,14 @@
  * -> ({file: [(position, item, fetch, batch, row)]}, [positions left to the general walk],
  *     [(position, item)] rows whose values are all in hand)
  * where fetch is [(absolute offset, size, column)] and the item's value there is None.
+ *
+ * fill_landed(rows, parts, flat_row) -> [(position, item, None)] | None
+ *   rows      a file's [(position, item, fetch, batch, row)] as walk_rows gives them
+ *   parts     the bytes its ranges read, the rows' fetches one after another
+ * Each part put in its item's value and counted in its nbytes (flat_rows.fill for every
+ * row, as arrow_ipc's `_landed` does); None, with nothing changed, where a row is not a
+ * flat_row, a part is not bytes or is short (a truncated file): the caller's own loop then
+ * names it.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -31,7 +39,7 @@ typedef struct {
     long long kind, node, offsets, values, width, osize, child_node;
 } Column;
 
-static PyObject *s_buffer_list, *s_node_list, *s_rows;
+static PyObject *s_buffer_list, *s_node_list, *s_rows, *s_values, *s_nbytes;
 
 /* Item i of a list or tuple of two ints. */
 static int pair_at(PyObject *seq, Py_ssize_t i, long long *a, long long *b) {
@@ -217,8 +225,79 @@ fail:
     return NULL;
 }
 
+/* Row i of `rows` as (item, fetch), borrowed; 0 where it is not a (pos, item, fetch, b, r)
+ * of a flat_row with a list fetch. */
+static int landed_row(PyObject *rows, Py_ssize_t i, PyObject *flat_row, PyObject **item, PyObject **fetch) {
+    PyObject *t = PyList_GET_ITEM(rows, i);
+    if (!PyTuple_Check(t) || PyTuple_GET_SIZE(t) != 5) return 0;
+    *item = PyTuple_GET_ITEM(t, 1);
+    *fetch = PyTuple_GET_ITEM(t, 2);
+    return Py_TYPE(*item) == (PyTypeObject *)flat_row && PyList_Check(*fetch);
+}
+
+static PyObject *fill_landed(PyObject *self, PyObject *args) {
+    PyObject *rows, *parts, *flat_row;
+    if (!PyArg_ParseTuple(args, "O!O!O", &PyList_Type, &rows, &PyList_Type, &parts, &flat_row)) return NULL;
+    Py_ssize_t n = PyList_GET_SIZE(rows), at = 0, nparts = PyList_GET_SIZE(parts);
+    /* First every check, so that a group the caller's loop must take is left untouched. */
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *item, *fetch;
+        if (!landed_row(rows, i, flat_row, &item, &fetch)) Py_RETURN_NONE;
+        for (Py_ssize_t j = 0; j < PyList_GET_SIZE(fetch); j++, at++) {
+            PyObject *f = PyList_GET_ITEM(fetch, j);
+            if (at >= nparts || !PyTuple_Check(f) || PyTuple_GET_SIZE(f) != 3) Py_RETURN_NONE;
+            PyObject *part = PyList_GET_ITEM(parts, at);
+            long long size = PyLong_AsLongLong(PyTuple_GET_ITEM(f, 1));
+            if (size == -1 && PyErr_Occurred()) return NULL;
+            if (!PyBytes_CheckExact(part) || PyBytes_GET_SIZE(part) != size) Py_RETURN_NONE;
+        }
+    }
+    if (at != nparts) Py_RETURN_NONE;
+    PyObject *out = PyList_New(n);
+    if (!out) return NULL;
+    at = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *item, *fetch;
+        landed_row(rows, i, flat_row, &item, &fetch);
+        PyObject *values = PyObject_GetAttr(item, s_values), *nbytes = PyObject_GetAttr(item, s_nbytes);
+        long long total = nbytes ? PyLong_AsLongLong(nbytes) : -1;
+        Py_XDECREF(nbytes);
+        if (!values || !PyList_Check(values) || (total == -1 && PyErr_Occurred())) {
+            if (values && !PyList_Check(values)) PyErr_SetString(PyExc_TypeError, "a FlatRow's values is not a list");
+            Py_XDECREF(values);
+            Py_DECREF(out);
+            return NULL;
+        }
+        for (Py_ssize_t j = 0; j < PyList_GET_SIZE(fetch); j++, at++) {
+            PyObject *f = PyList_GET_ITEM(fetch, j), *part = PyList_GET_ITEM(parts, at);
+            Py_ssize_t k = PyLong_AsSsize_t(PyTuple_GET_ITEM(f, 2));
+            if (k < 0 || k >= PyList_GET_SIZE(values)) {
+                if (!PyErr_Occurred()) PyErr_SetString(PyExc_IndexError, "a fetch's column is out of range");
+                Py_DECREF(values);
+                Py_DECREF(out);
+                return NULL;
+            }
+            PyList_SetItem(values, k, Py_NewRef(part));
+            total += PyBytes_GET_SIZE(part);
+        }
+        Py_DECREF(values);
+        PyObject *t = PyList_GET_ITEM(rows, i), *now = PyLong_FromLongLong(total), *entry = NULL;
+        if (!now || PyObject_SetAttr(item, s_nbytes, now) < 0
+            || !(entry = PyTuple_Pack(3, PyTuple_GET_ITEM(t, 0), item, Py_None))) {
+            Py_XDECREF(now);
+            Py_DECREF(out);
+            return NULL;
+        }
+        Py_DECREF(now);
+        PyList_SET_ITEM(out, i, entry);
+    }
+    return out;
+}
+
 static PyMethodDef methods[] = {
     {"walk_rows", walk_rows, METH_VARARGS, "walk_rows(columns, page_map, batches, starts, where, indices, flat_row, names)"},
+    {"fill_landed", fill_landed, METH_VARARGS,
+     "fill_landed(rows, parts, flat_row) -> [(position, item, None)] | None: a file's landed parts into its flat rows"},
     {NULL, NULL, 0, NULL},
 };
 
@@ -228,6 +307,8 @@ PyMODINIT_FUNC PyInit__flatrows(void) {
     s_buffer_list = PyUnicode_InternFromString("buffer_list");
     s_node_list = PyUnicode_InternFromString("node_list");
     s_rows = PyUnicode_InternFromString("rows");
-    if (!s_buffer_list || !s_node_list || !s_rows) return NULL;
+    s_values = PyUnicode_InternFromString("values");
+    s_nbytes = PyUnicode_InternFromString("nbytes");
+    if (!s_buffer_list || !s_node_list || !s_rows || !s_values || !s_nbytes) return NULL;
     return PyModule_Create(&module);
 }

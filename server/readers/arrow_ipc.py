@@ -478,7 +478,12 @@ class TableReader(Reader):
             done([(pos, None, SampleError(f"{self._row_name(item.index, f, b, r)}: cannot read: {err}", item.index,
                                           self.path)) for pos, item, _, b, r in rows])
             return
-        results: list[tuple[int, Any, BaseException | None]] = []
+        if type(parts) is list:
+            results = flat_rows.fill_landed(rows, parts)  # the common case, one call for the file's rows
+            if results is not None:
+                done(results)
+                return
+        results = []
         at = 0
         for pos, item, fetch, b, r in rows:
             n = len(fetch)

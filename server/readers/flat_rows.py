@@ -194,6 +194,13 @@ def fill(item: FlatRow, fetch: list[tuple[int, int, int]], parts: Sequence[bytes
     return None
 
 
+def fill_landed(rows: list, parts: list[bytes]) -> list | None:
+    """A file's landed `parts` into its rows (walk_rows' [(position, FlatRow, fetch, batch,
+    row)]) by one native call: [(position, item, None)]; None, with nothing changed, where
+    a row is not a FlatRow or a part is short (or the C is not built): `fill` row by row."""
+    return _native.fill_landed(rows, parts, FlatRow) if _native is not None else None
+
+
 def build(c: Column, values: list[bytes]) -> pa.Array:
     """One column of a chunk's FlatRows as an Arrow array (no nulls)."""
     n = len(values)
