@@ -143,9 +143,15 @@ def test_the_rule_takes_o_direct_where_it_passes_the_mount_cap_and_the_mapping_w
         assert choice.ceilings["direct"] <= 13, choice  # capped as preads are
         assert choice.path == "mmap" and store.path_reads["mmap"] == 2, choice
     else:
-        assert choice.ceilings["direct"] > 32, choice
-        # direct before the mapping: the mapping would have to beat it by 25%
-        assert choice.path == "direct" and store.path_reads["direct"] == 2, choice
+        assert choice.ceilings["direct"] > 32, choice  # past the cap: counted at the daemon, not timed
+        # direct before the mapping: the mapping would have to beat it by 25%. Both reach the
+        # daemon 64 at once, so their rates differ only by the timing of a probe of a few
+        # rounds; on a loaded machine that has been 25% (the rule then rightly took the
+        # mapping), so what is asserted is the rule on the rates the probe measured.
+        assert choice.path == readpath.decide(choice), choice
+        if choice.rates["mmap"] < readpath.MARGIN * choice.rates["direct"]:
+            assert choice.path == "direct", choice
+        assert store.path_reads[choice.path] == 2, choice
     assert probe_peak == 64  # page faults (and sync O_DIRECT) reached the daemon all at once
 
 
