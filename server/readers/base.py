@@ -173,6 +173,11 @@ class Reader(abc.ABC):
     def encode(self, items: Sequence[Any], columns: Sequence[str] = (), decode_images: bool = False) -> Payload:
         """Build one payload from completed items (blocking; runs in the executor)."""
 
+    def encodes_on_loop(self, decode_images: bool) -> bool:
+        """True where `encode` is too little work to be worth a hop to the executor and
+        back (images sent as read: one record each); the stream then calls it on the loop."""
+        return False
+
     def item_sizer(self, columns: Sequence[str] = ()) -> Callable[[Any], int]:
         """item -> the bytes it adds to a chunk of `columns` (an estimate is fine).
 

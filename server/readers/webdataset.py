@@ -247,6 +247,9 @@ class WebDatasetReader(Reader):
     def encode(self, items: Sequence[ImageItem], columns: Sequence[str] = (), decode_images: bool = False) -> ImagePayload:
         return image_payload(items, decode_images, self.verify_images)
 
+    def encodes_on_loop(self, decode_images: bool) -> bool:
+        return not decode_images and not self.verify_images  # records of the bytes as read
+
     def close(self) -> None:
         for f in self.shards:
             self.store.unpin(f)

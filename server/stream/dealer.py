@@ -141,7 +141,9 @@ class Dealer:
         """One chunk, or several when its message would exceed `max_message_bytes`
         (rows larger than the estimate); `completed` rides on the last one."""
         loop = asyncio.get_running_loop()
-        if self.fair is None:
+        if self.reader.encodes_on_loop(self.decode_images):  # a record per image as read: a hop would cost more
+            payload = self.reader.encode(items, self.columns, self.decode_images)
+        elif self.fair is None:
             payload = await loop.run_in_executor(self.executor, self.reader.encode, items, self.columns, self.decode_images)
         else:
             await self.fair.acquire(self.lane)
