@@ -18,6 +18,7 @@ from __future__ import annotations
 import abc
 import asyncio
 import concurrent.futures
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
@@ -101,8 +102,8 @@ class ImageRecord:
 class ImagePayload:
     images: list[ImageRecord] = field(default_factory=list)
 
-    @property
-    def nbytes(self) -> int:
+    @functools.cached_property
+    def nbytes(self) -> int:  # asked by the size check and the metrics: summed once
         return sum(len(r.data) for r in self.images)
 
 
