@@ -20,7 +20,7 @@ import urllib.request
 import pyarrow as pa
 import pytest
 
-from croupier.server.stream.tuner import (AHEAD_BATCHES, AHEAD_LEAD, MIN_READS, PROBE_EVERY_S, SIBLING_LEAD,
+from croupier.server.stream.tuner import (AHEAD_BATCHES, AHEAD_LEAD, FLUSH_MAX_S, MIN_READS, PROBE_EVERY_S, SIBLING_LEAD,
                                           SIBLING_SETTLED, START_READS, Autotuner, Phase, StreamTuner)
 from croupier.protocol.epoch_plan import EpochPlan
 from croupier.server.stream.dealer import Dealer
@@ -299,6 +299,17 @@ def test_chunks_grow_for_a_fast_client_and_flush_delay_shortens_while_it_waits()
     _, tuner, clock = make()
     run(tuner, clock, Model(0.02, 1e9), 20)  # the client waits on storage: flush soon
     assert tuner.settings.flush_delay_s <= 0.002
+
+
+@pytest.mark.parametrize("demand", [5_000, 20_000])
+def test_a_chunk_is_given_the_time_to_fill_before_its_flush(demand: float) -> None:
+    """The flush delay is at least a chunk's fill time at the drain rate: half of it flushed
+    chunks half full by design, and on a loop-bound server each extra message lowered the
+    rate the next decision read (chunks shrank to a quarter of the tuned size)."""
+    _, tuner, clock = make()
+    run(tuner, clock, Model(0.001, demand), 20)  # the client drains: it does not wait on reads
+    s = tuner.settings
+    assert s.flush_delay_s >= min(FLUSH_MAX_S, s.chunk_samples / demand)
 
 
 def test_unknown_pins_are_refused() -> None:

@@ -22,6 +22,7 @@ from croupier.client import ImageDecoding, Loader
 from croupier.server.storage import inline_files, native
 from croupier.server.storage.confined import ConfinedStore
 from croupier.server.storage.local import LocalStore
+from executor_counts import encodes_in_executor
 from readers_data import write_imagefolder
 
 pytestmark = pytest.mark.skipif(native.files_nowait is None, reason="the native read pool is not built")
@@ -250,36 +251,15 @@ def test_a_server_reads_the_images_of_a_dataset_given_through_a_link_on_the_loop
     assert store.inner.inline_reads == len(written)  # each image once, none through the pool's threads
 
 
-def _encodes_in_executor(srv, **decoding) -> tuple[int, int]:
-    """(images delivered, encode calls the server's CPU pool ran) over one epoch."""
-    executor = srv.running.executor
-    names: list[str] = []
-    submit = executor.submit
-
-    def counted(fn, *args, **kwargs):
-        names.append(getattr(fn, "__name__", ""))
-        return submit(fn, *args, **kwargs)
-
-    executor.submit = counted
-    loader = Loader("imgs", servers=srv.address, batch_size=4, seed=0, epoch=0, format="numpy",
-                    decoding=ImageDecoding(**decoding))
-    try:
-        n = sum(len(b.indices) for b in loader.batches())
-    finally:
-        loader.close()
-        executor.submit = submit
-    return n, names.count("encode")
-
-
 def test_images_sent_as_read_are_encoded_on_the_loop_and_decoded_ones_in_the_cpu_pool(serve_inprocess,
                                                                                       tmp_path: Path) -> None:
     """A chunk of images sent as read is a record per file: no hop to the CPU pool and back
     (`Reader.encodes_on_loop`); decoding on the server, or --verify-images, still runs there."""
     write_imagefolder(tmp_path / "imgs", 8)
     srv = serve_inprocess(datasets=[f"imgs={tmp_path / 'imgs'}"])
-    assert _encodes_in_executor(srv, output="none") == (24, 0)
-    n, encodes = _encodes_in_executor(srv, output="numpy", on_server=True)
+    assert encodes_in_executor(srv, "imgs", 4, output="none") == (24, 0)
+    n, encodes = encodes_in_executor(srv, "imgs", 4, output="numpy", on_server=True)
     assert n == 24 and encodes >= 1  # each chunk decoded in the pool
     verifying = serve_inprocess(datasets=[f"imgs={tmp_path / 'imgs'}"], verify_images=True)
-    n, encodes = _encodes_in_executor(verifying, output="none")
+    n, encodes = encodes_in_executor(verifying, "imgs", 4, output="none")
     assert n == 24 and encodes >= 1

@@ -69,7 +69,7 @@ async def _batches(batches: list[list[int]]) -> AsyncIterator[tuple[int, list[in
         yield b, indices, [False] * len(indices)
 
 
-async def _encode(refs: list[SampleRef], items: list[Any], completed: list[int]) -> list[SampleChunk]:
+async def _encode(refs: list[SampleRef], items: list[Any], completed: list[int], nbytes: int) -> list[SampleChunk]:
     return [SampleChunk(refs=refs, payload=list(items), completed_batches=completed)]
 
 

@@ -181,5 +181,5 @@ class ImageFolderReader(Reader):
     def encode(self, items: Sequence[ImageItem], columns: Sequence[str] = (), decode_images: bool = False) -> ImagePayload:
         return image_payload(items, decode_images, self.verify_images)
 
-    def encodes_on_loop(self, decode_images: bool) -> bool:
+    def encodes_on_loop(self, decode_images: bool, nbytes: int) -> bool:
         return not decode_images and not self.verify_images  # records of the bytes as read

@@ -134,8 +134,8 @@ class LatencyInjected(Reader):
     def encode(self, items: Sequence[Any], columns: Sequence[str] = (), decode_images: bool = False) -> Payload:
         return self.inner.encode(items, columns, decode_images)
 
-    def encodes_on_loop(self, decode_images: bool) -> bool:
-        return self.inner.encodes_on_loop(decode_images)
+    def encodes_on_loop(self, decode_images: bool, nbytes: int) -> bool:
+        return self.inner.encodes_on_loop(decode_images, nbytes)
 
     def close(self) -> None:
         self.inner.close()

@@ -130,18 +130,21 @@ class Dealer:
     def num_samples(self) -> int:
         return self.plan.samples_in(self.span.start_batch, self.span.end_batch)
 
-    async def encode_chunks(self, refs: list[SampleRef], items: list[Any], completed: list[int]) -> list[SampleChunk]:
-        """Items of this stream's columns as its chunks (a shared epoch's subscriber uses it)."""
-        return await self._encode_part(refs, items, completed)
+    async def encode_chunks(self, refs: list[SampleRef], items: list[Any], completed: list[int],
+                            nbytes: int) -> list[SampleChunk]:
+        """Items of this stream's columns (about `nbytes`, by the reader's sizer) as its
+        chunks: the unordered stream and a shared epoch's subscribers use it."""
+        return await self._encode_part(refs, items, completed, nbytes)
 
     async def _encode(self, pending: PendingChunk) -> list[SampleChunk]:
-        return await self._encode_part(pending.refs, pending.items, pending.completed)
+        return await self._encode_part(pending.refs, pending.items, pending.completed, pending.nbytes)
 
-    async def _encode_part(self, refs: list[SampleRef], items: list[Any], completed: list[int]) -> list[SampleChunk]:
+    async def _encode_part(self, refs: list[SampleRef], items: list[Any], completed: list[int],
+                           nbytes: int) -> list[SampleChunk]:
         """One chunk, or several when its message would exceed `max_message_bytes`
         (rows larger than the estimate); `completed` rides on the last one."""
         loop = asyncio.get_running_loop()
-        if self.reader.encodes_on_loop(self.decode_images):  # a record per image as read: a hop would cost more
+        if self.reader.encodes_on_loop(self.decode_images, nbytes):  # less work than a hop to the pool and back
             payload = self.reader.encode(items, self.columns, self.decode_images)
         elif self.fair is None:
             payload = await loop.run_in_executor(self.executor, self.reader.encode, items, self.columns, self.decode_images)
@@ -164,8 +167,9 @@ class Dealer:
                 f"`croupier serve --max-message-mb` (and the client's grpc.max_receive_message_length)"
             )
         half = len(refs) // 2
-        head = await self._encode_part(refs[:half], items[:half], [])
-        return head + await self._encode_part(refs[half:], items[half:], completed)
+        share = nbytes * half // len(refs)
+        head = await self._encode_part(refs[:half], items[:half], [], share)
+        return head + await self._encode_part(refs[half:], items[half:], completed, nbytes - share)
 
     async def _timed_read(self, index: int) -> Any:
         observer = self.observer
@@ -222,7 +226,7 @@ class Dealer:
         (server/stream/unordered.py); closing this generator closes the stream."""
         stream = UnorderedStream(
             self.reader, self.columns, self._batches(), self.span, self.num_samples,
-            encode=self._encode_part, limits=self.limits, prefetch=self.prefetch, observer=self.observer,
+            encode=self.encode_chunks, limits=self.limits, prefetch=self.prefetch, observer=self.observer,
             server_reads=self.server_reads, server_buffer=self.server_buffer, tuner=self.tuner,
         )
         stream.start()

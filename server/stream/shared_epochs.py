@@ -606,7 +606,7 @@ class Subscriber:
                 if timer is not None:
                     timer.cancel()
                 continue
-            chunks = await dealer.encode_chunks(pending.refs, pending.items, pending.completed)
+            chunks = await dealer.encode_chunks(pending.refs, pending.items, pending.completed, pending.nbytes)
             nbytes = pending.nbytes
             pending = PendingChunk()
             for chunk in chunks:

@@ -34,8 +34,8 @@ from croupier.server.stream.sample_chunks import PendingChunk, SampleChunk, Samp
 from croupier.server.stream.timer_wheel import TimerWheel
 from croupier.server.stream.tuner import StreamTuner
 
-#: (refs, items, completed batches) -> the chunks that carry them (one, or more when split).
-Encode = Callable[[list[SampleRef], list[Any], list[int]], Awaitable[list[SampleChunk]]]
+#: (refs, items, completed batches, their bytes) -> the chunks that carry them (one, or more when split).
+Encode = Callable[[list[SampleRef], list[Any], list[int], int], Awaitable[list[SampleChunk]]]
 #: A completed read: (where it goes, the item, its bytes, the error it raised).
 Completion = tuple[SampleRef, Any, int, BaseException | None]
 
@@ -208,7 +208,7 @@ class UnorderedStream(GroupIssuer):
             # that as due, or the loop spins re-arming it.
             if not pending.full(self.limits) and self.remaining and time.monotonic() + TICK_S < pending.deadline:
                 continue
-            chunks = await self.encode(pending.refs, pending.items, pending.completed)
+            chunks = await self.encode(pending.refs, pending.items, pending.completed, pending.nbytes)
             self._out_samples = sum(len(c.refs) for c in chunks)
             self._out_bytes = pending.nbytes
             self.pending = PendingChunk()
