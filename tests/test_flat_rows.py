@@ -252,3 +252,31 @@ def test_a_files_landed_parts_go_into_its_rows_as_fill_puts_them_or_nothing_chan
         assert flat_rows.fill_landed(rows, parts) is None, spoil
         assert all(v is None for r in rows if type(r[1]) is flat_rows.FlatRow for v in r[1].values), spoil
         assert all(r[1].nbytes == 32 for r in rows), spoil
+
+
+def test_a_chunk_of_rows_read_with_different_columns_encodes_each_row_by_its_own(tmp_path: Path) -> None:
+    """Rows of one chunk read with other column sets (all of them, or others in another
+    order) are encoded by where each holds the chunk's columns; a row read without one is
+    refused, naming it."""
+    _write(tmp_path / "t.arrow", [_table(0, N)])
+    indices = [3, 700, 41, 1_200, 9, 555]
+
+    async def go() -> tuple[pa.Table, Any]:
+        store = LocalStore(io_threads=4)
+        reader = ArrowIPCReader("t", str(tmp_path / "t.arrow"), store=store)
+        try:
+            await _warm(reader)
+            sets = [(), ("text", "id"), ("tokens", "text", "id")]
+            items = [await reader.read(i, sets[k % 3]) for k, i in enumerate(indices)]
+            table = ipc.open_stream(reader.encode(items, ("id", "text")).arrow_ipc).read_all()
+            with pytest.raises(ValueError, match="read without column 'tokens'"):
+                reader.encode(items, ("tokens",))
+            return table, items
+        finally:
+            reader.close()
+            store.close()
+
+    table, items = asyncio.run(go())
+    assert len({it.names for it in items}) == 3
+    expected = _table(0, N).take(indices).select(["id", "text"])
+    assert table.equals(expected)

@@ -47,17 +47,19 @@ def chunk_to_proto(chunk: SampleChunk, epoch: int) -> pb.StreamEpochResponse:
     # again (with upb, 570 us for a 256 KB table chunk against 25 in place), and
     # `images.extend(pb.Image(...))` copies each image once more (494 us for 64 images
     # against 54 with `images.add`): measured on this machine's protobuf 7.36 (upb).
-    refs = chunk.refs
     response = pb.StreamEpochResponse()
     msg = response.chunk
     msg.SetInParent()  # the oneof says chunk even where every field is its default
     msg.epoch = epoch
-    msg.batches.extend([r.batch for r in refs])
-    msg.positions.extend([r.position for r in refs])
-    msg.indices.extend([r.index for r in refs])
+    if chunk.refs:
+        # The tags' columns by one transposition, not a comprehension per field.
+        batches, positions, indices, padding = zip(*chunk.refs)
+        msg.batches.extend(batches)
+        msg.positions.extend(positions)
+        msg.indices.extend(indices)
+        if any(padding):
+            msg.padding.extend(padding)
     msg.completed_batches.extend(chunk.completed_batches)
-    if any(r.padding for r in refs):
-        msg.padding.extend([r.padding for r in refs])
     payload = chunk.payload
     if isinstance(payload, TablePayload):
         msg.arrow_ipc = payload.arrow_ipc

@@ -44,6 +44,7 @@ import collections
 import concurrent.futures
 import copy
 import logging
+import operator
 import time
 from collections.abc import AsyncIterator, Hashable, Iterator
 from typing import Any
@@ -64,6 +65,8 @@ from croupier.server.stream.sample_chunks import PendingChunk, SampleRef
 from croupier.server.stream.timer_wheel import TimerWheel
 
 log = logging.getLogger("croupier.server.shared")
+#: An arrival's bytes: (ref, item, bytes, error)[2].
+_size_of = operator.itemgetter(2)
 
 #: Default byte budget of one shared epoch's window (`croupier serve --shared-window-mb`).
 DEFAULT_WINDOW_BYTES = 256 << 20
@@ -572,7 +575,7 @@ class Subscriber:
                 t = pending.take(arrivals, t, limits)
                 self.taken[b] = t
                 if t > rec.lead:  # the furthest stream took these: they no longer count as unread-ahead
-                    epoch.lead_bytes += sum(a[2] for a in arrivals[rec.lead:t])
+                    epoch.lead_bytes += sum(map(_size_of, arrivals[rec.lead:t]))
                     rec.lead = t
                 if t == rec.size:
                     pending.completed.append(b)
