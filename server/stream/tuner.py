@@ -62,9 +62,9 @@ in-flight bound, and the event loop's CPU time.
   The flush delay is the time to fill a chunk at the drain rate, shortened to 2 ms while
   the client waits. (Half that time, as before 2026-12-07, flushed chunks half full by
   design: on a server whose loop is the bottleneck the measured rate is its own, and each
-  extra message lowered it, so chunks shrank to a quarter of the tuned size; text at batch
-  64 went from 38,000 to 58,000-66,000 rows/s with the full time and small chunks encoded
-  on the loop.) Both change only outside a wide dead band, confirmed over two periods.
+  extra message lowered it, so chunks shrank to a quarter of the tuned size. With the full
+  time and small chunks encoded on the loop, one rank of 1 KB text rows at batch 64 went
+  from 40,000-49,000 to 43,000-72,000 rows/s, alternated on one host: docs/DESIGN.md.) Both change only outside a wide dead band, confirmed over two periods.
 * Bounds: never above a pinned `--max-reads-per-stream`, this stream's share of
   `--max-reads` (the total over streams), the reads whose bytes fit in the stream's
   `--max-buffered-mb` and its share of `--max-buffered-total-mb`, or `--max-prefetch`.
