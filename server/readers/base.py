@@ -172,7 +172,8 @@ class Reader(abc.ABC):
 
     @abc.abstractmethod
     def encode(self, items: Sequence[Any], columns: Sequence[str] = (), decode_images: bool = False) -> Payload:
-        """Build one payload from completed items (blocking; runs in the executor)."""
+        """Build one payload from completed items (blocking: runs in the executor, or on the
+        loop where `encodes_on_loop` says it is less work than the hop)."""
 
     def encodes_on_loop(self, decode_images: bool, nbytes: int) -> bool:
         """True where encoding a chunk of about `nbytes` is too little work to be worth a
