@@ -19,10 +19,11 @@ import pytest
 
 from croupier.bench import latencyfs
 from croupier.server.cache import BlockCache, CacheSizes, CachedStore
-from croupier.server.readers.imagefolder import ImageFolderReader
+from croupier.server.readers.imagefolder import ImageFolderReader, _concatenated
 from croupier.server.storage import native
 from croupier.server.storage.confined import ConfinedStore
 from croupier.server.storage.local import LocalStore
+from croupier.server.storage.objectstore import ObjectStore
 from cache_epochs import image_epoch
 from readers_data import png_bytes, write_imagefolder
 
@@ -419,9 +420,16 @@ def test_the_readers_paths_and_names_are_the_stores_own(tmp_path: Path) -> None:
         store = ConfinedStore(LocalStore(io_threads=2), [str(tmp_path)])
         try:
             reader = ImageFolderReader("d", root, store=store)
-            assert reader._prefix is not None and reader._url_is_path
+            assert reader._prefix is not None and reader._url_base == ""
             for key in reader.keys:
                 path = store.join(root, key)
                 assert reader._path(key) == path and reader._where(path) == store.url(path)
         finally:
             store.close()
+    # a bucket's: "imgs/" + key, named "s3://bucket/" + that
+    bucket = ObjectStore("b", options={"endpoint": "http://127.0.0.1:9", "access_key_id": "k", "secret_access_key": "s"})
+    for root in ("imgs", "imgs/", "/imgs", ""):
+        prefix, base = _concatenated(bucket, root)
+        assert prefix is not None and base == "s3://b/"
+        for key in ("a/0.png", "b c/1.jpg", "x/y/z.webp"):
+            assert prefix + key == bucket.join(root, key) and base + prefix + key == bucket.url(bucket.join(root, key))

@@ -12,14 +12,18 @@ log names it once.
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import logging
+from collections.abc import Callable, Sequence
 from typing import Any
 
+from ..storage.object_groups import Landed
 from .blocks import FileKey
 from .cached_store import CachedStore
 from .fill import FillFile
 from .object_fill import ObjectFill
-from .whole_files import admit, from_tiers
+from .whole_files import admit, from_tiers, to_memory
 
 log = logging.getLogger("croupier.server.cache")
 
@@ -43,12 +47,7 @@ class CachedObjectStore(CachedStore):
         kept, under the version the dataset's listing showed. An object listed by no
         listing is read and not kept. Not seen: an object rewritten after the open (as for
         pinned objects, the samples' GETs carry no ETag check)."""
-        key = self._whole.get(path)
-        if key is None:
-            listed = (getattr(self.inner, "listed", None) or {}).get(path)
-            if listed is not None:
-                key = self._whole[path] = FileKey.of_object(self.inner.url(path), *listed)
-                self.cache.register(key, key.real_path, scan_disk=False)
+        key = self._whole_key(path)
         stats = self.cache.stats
         if key is not None and key.size:
             data = await from_tiers(self.cache, key)
@@ -62,6 +61,67 @@ class CachedObjectStore(CachedStore):
         if key is not None and key.size and len(data) == key.size and not self.cache.cached(key, 0):
             await admit(self.cache, key, data, wait=False)
         return data
+
+    def _whole_key(self, path: str) -> FileKey | None:
+        """The version an object read whole is cached under: its listing's (None: listed by
+        no listing, so read and not kept)."""
+        key = self._whole.get(path)
+        if key is None:
+            listed = (getattr(self.inner, "listed", None) or {}).get(path)
+            if listed is not None:
+                key = self._whole[path] = FileKey.of_object(self.inner.url(path), *listed)
+                self.cache.register(key, key.real_path, scan_disk=False)
+        return key
+
+    @property
+    def reads_files_in_groups(self) -> bool:
+        return self.cache.disk is None and self.inner.reads_files_in_groups
+
+    def submit_files(self, paths: Sequence[str], versioned: bool, callback: Callable[[Landed], None]) -> bool:
+        """Objects read whole by one call (a group of images), as `_read_whole` reads one:
+        those the memory tier holds handed over on the loop's next turn, together; the rest
+        read by the store's `submit_files` (a GET each on the loop) and kept. False where
+        `_read_whole` must do it (a disk tier, whose reads and writes run on threads; a
+        pinned object; a store without the call)."""
+        if versioned or self.cache.disk is not None or any(p in self._keys for p in paths):
+            return False
+        keys = [self._whole_key(p) for p in paths]
+        hits: Landed = []
+        misses: list[int] = []
+        memory = self.cache.from_memory
+        for i, key in enumerate(keys):
+            data = memory(key, 0, key.size) if key is not None and key.size else None
+            if data is None:
+                misses.append(i)
+            else:
+                hits.append((i, data, None))
+        if misses and not self.inner.submit_files([paths[i] for i in misses], False,
+                                                  functools.partial(self._objects_landed, keys, misses, callback)):
+            return False
+        if hits:
+            stats = self.cache.stats
+            stats.hits += len(hits)
+            stats.hit_bytes += sum(len(d) for _, d, _ in hits)
+            asyncio.get_running_loop().call_soon(callback, hits)
+        return True
+
+    def _objects_landed(self, keys: list[FileKey | None], misses: list[int], callback: Callable[[Landed], None],
+                        done: Landed) -> None:
+        """Objects of a group read from the store: kept in memory where the budget has room
+        (as `_read_whole` keeps them), counted as misses, handed over by their positions."""
+        stats, cache = self.cache.stats, self.cache
+        out: Landed = []
+        for j, data, err in done:
+            i = misses[j]
+            out.append((i, data, err))
+            if err is not None:
+                continue
+            stats.misses += 1
+            stats.miss_bytes += len(data)
+            key = keys[i]
+            if key is not None and key.size and len(data) == key.size and not cache.cached(key, 0):
+                to_memory(cache, key, data)
+        callback(out)
 
     def forget_whole_files(self) -> None:
         """The dataset closed: its objects' memory blocks leave with their last reader."""

@@ -45,6 +45,21 @@ def image_class_folders(store: Store, path: str, dirs: Sequence[str], limit: int
     return found
 
 
+def _concatenated(store: Store, path: str) -> tuple[str | None, str | None]:
+    """(prefix, url base): `store.join(path, key)` is prefix + key and `store.url(p)` is url
+    base + p, for every key, as two probes show; None for either where they are not."""
+    probes = ("a/b.jpg", "c d/e.png")
+    joined = store.join(path, probes[0])
+    prefix = joined[:-len(probes[0])] if joined.endswith(probes[0]) else None
+    if prefix is None or any(store.join(path, p) != prefix + p for p in probes):
+        return None, None
+    named = store.url(prefix + probes[0])
+    base = named[:-len(prefix + probes[0])] if named.endswith(prefix + probes[0]) else None
+    if base is None or any(store.url(prefix + p) != base + prefix + p for p in probes):
+        base = None
+    return prefix, base
+
+
 class ImageFolderReader(Reader):
     format = "imagefolder"
     #: Decode every image in `encode` before sending it (--verify-images).
@@ -77,12 +92,10 @@ class ImageFolderReader(Reader):
                 f"{self.classes[:10]}"
             )
         # A file's path and name for messages by string concatenation where the store's own
-        # `join` and `url` give the same (a local file system): three forwarding stores deep,
-        # those calls were two microseconds of the loop's time per image.
-        probe = "a/b.jpg"
-        prefix = store.join(path, "")
-        self._prefix = prefix if store.join(path, probe) == prefix + probe else None
-        self._url_is_path = self._prefix is not None and store.url(prefix + probe) == prefix + probe
+        # `join` and `url` give the same (a local file system: "/data/x/" + key; a bucket:
+        # "x/" + key, named "s3://bucket/" + that): three forwarding stores deep, those calls
+        # were two microseconds of the loop's time per image.
+        self._prefix, self._url_base = _concatenated(store, path)
         plan = getattr(store, "plan_whole_files", None)  # the server's cache: what its fill reads, in order
         if plan is not None:
             plan([self._path(k) for k in self.keys])
@@ -91,7 +104,7 @@ class ImageFolderReader(Reader):
         return self._prefix + key if self._prefix is not None else self.store.join(self.root, key)
 
     def _where(self, path: str) -> str:
-        return path if self._url_is_path else self.store.url(path)
+        return self._url_base + path if self._url_base is not None else self.store.url(path)
 
     def __len__(self) -> int:
         return len(self.keys)
@@ -139,9 +152,9 @@ class ImageFolderReader(Reader):
 
     @property
     def reads_in_groups(self) -> bool:  # type: ignore[override]
-        """A group of images is one storage call where files are read by native threads
-        (`start_reads`); an object store reads them one by one."""
-        return self.store.scheme == "file"
+        """A group of images is one storage call (`start_reads`) where the store reads files
+        in groups: by native threads, or by GETs on the loop (an S3 bucket)."""
+        return self.store.reads_files_in_groups
 
     def start_reads(self, indices: Sequence[int], columns: Sequence[str],
                     done: Callable[[list[tuple[int, ImageItem | None, BaseException | None]]], None]) -> Sequence[int]:
@@ -160,12 +173,14 @@ class ImageFolderReader(Reader):
     def _files_landed(self, indices: Sequence[int], paths: list[str], done: Callable, got: list[tuple[int, Any, Any]]) -> None:
         # Sound JPEGs (most images) checked by one call for the group and made items here;
         # anything else through `_item`, which names what is wrong.
-        item, keys, labels, where = self._item, self.keys, self.labels, None if self._url_is_path else self._where
+        item, keys, labels, base = self._item, self.keys, self.labels, self._url_base
+        where = None if base is not None else self._where
         out = []
         for (pos, data, err), sound in zip(got, sound_jpegs(got)):
             if sound:
                 i, path = indices[pos], paths[pos]
-                out.append((pos, ImageItem(i, data, labels[i], "jpeg", keys[i], path if where is None else where(path)), None))
+                name = (base + path if base else path) if where is None else where(path)
+                out.append((pos, ImageItem(i, data, labels[i], "jpeg", keys[i], name), None))
             else:
                 out.append((pos, *item(indices[pos], paths[pos], data, err)))
         done(out)

@@ -286,6 +286,12 @@ class Store(abc.ABC):
         `callback(None, error)`. False: await `read_whole_versioned`."""
         return False
 
+    @property
+    def reads_files_in_groups(self) -> bool:
+        """Whether `submit_files` takes groups here (a reader starts groups only where it does):
+        a file system's native pool, an object store's direct GETs."""
+        return self.scheme == "file"
+
     def submit_files(
         self, paths: Sequence[str], versioned: bool,
         callback: Callable[[list[tuple[int, Any, BaseException | None]]], None],
@@ -341,6 +347,10 @@ class ForwardingStore(Store):
 
     def url(self, path: str) -> str:
         return self.inner.url(path)
+
+    @property
+    def reads_files_in_groups(self) -> bool:
+        return self.inner.reads_files_in_groups
 
     def join(self, base: str, *parts: str) -> str:
         return self.inner.join(base, *parts)

@@ -66,6 +66,7 @@ import obstore
 from obstore.store import AzureStore, GCSStore, S3Store
 
 from .base import FileEntry, Range, Store
+from .object_groups import start_objects
 from .s3http import RangeGetClient, StaticCredentials
 
 #: Neighbouring ranges of one `read_ranges` call closer than this are read by one GET.
@@ -548,6 +549,19 @@ class ObjectStore(Store):
         for (gs, _, idx), data in zip(groups, datas):
             self._split(ranges, out, gs, idx, data)
         return out
+
+    @property
+    def reads_files_in_groups(self) -> bool:
+        return self.fast is not None
+
+    def submit_files(self, paths: Sequence[str], versioned: bool, callback) -> bool:
+        """Objects read whole by one call (a group of images), one GET each on the loop
+        (object_groups.py). False without the direct client, or for versions (an object's
+        version is its listing's, which the cache keeps)."""
+        if self.fast is None or versioned or not paths:
+            return False
+        start_objects(self, paths, callback)
+        return True
 
     def submit_ranges(self, path: str, ranges: Sequence[Range], callback) -> bool:
         """The ranges' GETs straight on the loop (s3http), one callback when all landed; a GET
