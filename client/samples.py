@@ -131,8 +131,7 @@ def table_samples(
         idx = indices.tolist() if indices is not None else list(range(table.num_rows))
         for name in hf_image_columns(table.schema):
             values = columns[name]
-            args = (values, [mode] * len(values), idx, [name] * len(values))
-            columns[name] = list(pool.map(_hf_image, *args)) if pool is not None else list(map(_hf_image, *args))
+            columns[name] = parallel_map(_hf_image, pool, values, [mode] * len(values), idx, [name] * len(values))
     return [{name: values[i] for name, values in columns.items()} for i in range(table.num_rows)]
 
 
@@ -251,12 +250,33 @@ def numpy_collate(samples: list[Any]) -> Any:
     return list(samples)
 
 
+def _run(fn: Any, args: tuple[list[Any], ...]) -> list[Any]:
+    return list(map(fn, *args))
+
+
+def parallel_map(fn: Any, pool: Executor | None, *args: list[Any]) -> list[Any]:
+    """`list(map(fn, *args))`, in as many contiguous slices as `pool` has threads: the first
+    on the calling thread, the rest each one task of the pool. One task per item cost a
+    thread hand-off per image (about 170 us of CPU on a small VM, against 45 us to decode a
+    64x64 JPEG), more than the decode itself. The first error in order is raised."""
+    n = len(args[0])
+    parts = min(getattr(pool, "_max_workers", 1), n) if pool is not None else 1
+    if parts <= 1:
+        return _run(fn, args)
+    bounds = [n * k // parts for k in range(parts + 1)]
+    futures = [pool.submit(_run, fn, tuple(a[lo:hi] for a in args))  # type: ignore[union-attr]
+               for lo, hi in zip(bounds[1:-1], bounds[2:])]
+    out = _run(fn, tuple(a[:bounds[1]] for a in args))
+    for f in futures:
+        out += f.result()
+    return out
+
+
 def image_samples(
     images: list[pb.Image], indices: np.ndarray, mode: ImageDecode, pool: Executor | None = None
 ) -> list[dict[str, Any]]:
     """Decode a batch's images; with `pool`, in parallel (Pillow releases the GIL while decoding)."""
-    args = (images, [mode] * len(images), indices.tolist())
-    decoded = list(pool.map(decode_image, *args)) if pool is not None and mode != "none" else list(map(decode_image, *args))
+    decoded = parallel_map(decode_image, pool if mode != "none" else None, images, [mode] * len(images), indices.tolist())
     return [{"image": img, "label": int(im.label)} for img, im in zip(decoded, images)]
 
 

@@ -3,6 +3,7 @@ everything it does not take (CMYK, PNG, corrupt bytes) still decodes, or fails, 
 
 from __future__ import annotations
 
+import concurrent.futures
 import io
 
 import numpy as np
@@ -95,3 +96,38 @@ def test_a_jpeg_over_pillows_decompression_bomb_limit_is_refused_as_pillow_refus
     with pytest.warns(Image.DecompressionBombWarning):
         got = decode_image(pb.Image(data=data), "tensor", 0)
     assert torch.equal(got, want)
+
+
+class _CountingPool(concurrent.futures.ThreadPoolExecutor):
+    """A real thread pool that counts the tasks it is given."""
+
+    def __init__(self, workers: int):
+        super().__init__(workers)
+        self.tasks = 0
+
+    def submit(self, fn, /, *args, **kwargs):  # type: ignore[override]
+        self.tasks += 1
+        return super().submit(fn, *args, **kwargs)
+
+
+@pytest.mark.parametrize("workers", [2, 3])
+def test_a_batch_is_decoded_in_one_slice_per_thread_in_order_and_its_first_error_is_raised(workers: int) -> None:
+    """A thread hand-off per image cost more than decoding a small one: a batch is cut into
+    one contiguous slice per decode thread, the first decoded by the calling thread."""
+    good = [_encoded("RGB", quality=70 + i) for i in range(10)]
+    images = [pb.Image(data=d, format="jpeg", key=f"k{i}", label=i % 3) for i, d in enumerate(good)]
+    indices = np.arange(100, 110)
+    with _CountingPool(workers) as pool:
+        got = samples.image_samples(images, indices, "tensor", pool)
+        assert pool.tasks == workers - 1  # not one per image
+    assert [s["label"] for s in got] == [i % 3 for i in range(10)]
+    for s, d in zip(got, good):
+        assert torch.equal(s["image"], _pillow(d))
+    # two bad images: the earlier one's error, whichever slice it is in
+    images[7] = pb.Image(data=b"\xff\xd8\xffnot a jpeg", format="jpeg", key="bad7")
+    images[3] = pb.Image(data=b"neither", format="jpeg", key="bad3")
+    with _CountingPool(workers) as pool, pytest.raises(SampleDecodeError, match=r"sample 103 \(bad3\)"):
+        samples.image_samples(images, indices, "tensor", pool)
+    images[3] = pb.Image(data=good[3], format="jpeg", key="k3")
+    with _CountingPool(workers) as pool, pytest.raises(SampleDecodeError, match=r"sample 107 \(bad7\)"):
+        samples.image_samples(images, indices, "tensor", pool)
