@@ -326,6 +326,12 @@ class CroupierService(pb_grpc.CroupierServicer):
             call.outcome = None
             self._end(context, exc, call.what)
             return
+        except grpc.aio.InternalError as exc:
+            # A write issued after grpc's core ended the call (the client cancelled) but
+            # before this task's cancellation arrived: the client is gone, as when the
+            # cancellation comes first. Raised on, grpc logged it as an ERROR with a traceback.
+            log.info("%s: the client went away while a chunk was being written (%s)", call.what, type(exc).__name__)
+            return
         except (DatasetError, OSError, ChunkTooLargeError) as exc:
             call.outcome = None
             await self._abort(context, exc, call.what, call.asked)
