@@ -9,6 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from croupier.client import assemble
 from croupier.client.assemble import BatchAssembler, ProtocolError
 from croupier.server.readers.tables import to_ipc_payload
 from croupier.v1 import croupier_pb2 as pb
@@ -42,7 +43,7 @@ def _chunks(order: list[tuple[int, int]], cuts: list[int], table: bool) -> list[
                 done.append(b)
         idx = [_index(b, p) for b, p in part]
         c = pb.Chunk(epoch=2, batches=[b for b, _ in part], positions=[p for _, p in part], indices=idx,
-                     completed_batches=done)
+                     padding=[_padded(i) for i in idx], completed_batches=done)
         if table:
             rows = pa.table({"i": pa.array(idx, pa.int64()), "s": pa.array([f"row{i}" for i in idx])})
             c.arrow_ipc = to_ipc_payload(rows).arrow_ipc
@@ -50,6 +51,10 @@ def _chunks(order: list[tuple[int, int]], cuts: list[int], table: bool) -> list[
             c.images.extend(pb.Image(data=f"img{i}".encode()) for i in idx)
         chunks.append(c)
     return chunks
+
+
+def _padded(index: int) -> bool:
+    return index % 7 == 0
 
 
 def _naive_out_of_order(order: list[tuple[int, int]]) -> int:
@@ -61,16 +66,23 @@ def _naive_out_of_order(order: list[tuple[int, int]]) -> int:
     return count
 
 
-@settings(max_examples=60, deadline=None)
-@given(st.permutations(_samples()), st.lists(st.integers(0, 18), max_size=8), st.booleans())
-def test_batches_come_out_in_position_order_whatever_the_chunking_and_arrival_order(order, cuts, table):
+@settings(max_examples=80, deadline=None)
+@given(st.permutations(_samples()), st.lists(st.integers(0, 18), max_size=8), st.booleans(), st.sampled_from([0, 4, 64]))
+def test_batches_come_out_in_position_order_whatever_the_chunking_and_arrival_order(order, cuts, table, small):
+    # `small`: chunks of up to this many samples are walked as Python lists, larger ones by
+    # NumPy (assemble.SMALL_CHUNK): both ways, and a stream mixing them, give the same.
     kind = pb.DATASET_KIND_TABLE if table else pb.DATASET_KIND_IMAGE
     asm = BatchAssembler(_header(kind))
-    out = [raw for c in _chunks(list(order), cuts, table) for raw in asm.add(c)]
+    saved, assemble.SMALL_CHUNK = assemble.SMALL_CHUNK, small
+    try:
+        out = [raw for c in _chunks(list(order), cuts, table) for raw in asm.add(c)]
+    finally:
+        assemble.SMALL_CHUNK = saved
     assert sorted(raw.batch for raw in out) == list(range(NUM))
     for raw in out:
         want = [_index(raw.batch, p) for p in range(len(raw))]
         assert raw.indices.tolist() == want
+        assert raw.padding.tolist() == [_padded(i) for i in want]
         if table:
             assert raw.table.column("i").to_pylist() == want
             assert raw.table.column("s").to_pylist() == [f"row{i}" for i in want]
@@ -81,26 +93,34 @@ def test_batches_come_out_in_position_order_whatever_the_chunking_and_arrival_or
     assert not asm.partial
 
 
-def test_a_position_delivered_twice_is_refused():
+@pytest.mark.parametrize("small", [0, 64])
+def test_a_position_delivered_twice_is_refused(small: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(assemble, "SMALL_CHUNK", small)
     asm = BatchAssembler(_header(pb.DATASET_KIND_TABLE))
     c = _chunks([(1, 0), (0, 1), (1, 0)], [], table=True)[0]
     with pytest.raises(ProtocolError, match="batch 1: position 0 delivered twice"):
         asm.add(c)
 
 
-def test_a_position_outside_its_batch_is_refused():
+@pytest.mark.parametrize("small", [0, 64])
+def test_a_position_outside_its_batch_is_refused(small: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(assemble, "SMALL_CHUNK", small)
     asm = BatchAssembler(_header(pb.DATASET_KIND_IMAGE))
     with pytest.raises(ProtocolError, match=r"position 3 outside 0..2 in batch 3"):
         asm.add(_chunks([(0, 1), (3, 3)], [], table=False)[0])
 
 
-def test_a_batch_outside_the_stream_is_refused():
+@pytest.mark.parametrize("small", [0, 64])
+def test_a_batch_outside_the_stream_is_refused(small: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(assemble, "SMALL_CHUNK", small)
     asm = BatchAssembler(_header(pb.DATASET_KIND_IMAGE))
     with pytest.raises(ProtocolError, match="batch 4 is outside"):
         asm.add(_chunks([(4, 0)], [], table=False)[0])
 
 
-def test_a_batch_marked_complete_early_is_refused():
+@pytest.mark.parametrize("small", [0, 64])
+def test_a_batch_marked_complete_early_is_refused(small: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(assemble, "SMALL_CHUNK", small)
     asm = BatchAssembler(_header(pb.DATASET_KIND_TABLE))
     c = _chunks([(0, 0), (0, 1)], [], table=True)[0]
     c.completed_batches.append(0)
