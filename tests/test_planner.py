@@ -190,3 +190,20 @@ def test_a_billion_row_virtual_dataset_streams_from_any_batch_in_constant_server
     # An array of 1e9 indices would be 8 GB; jumping to the end of the epoch costs nothing.
     assert after - before < 16, f"server RSS grew from {before:.0f} to {after:.0f} MB"
     assert after < 400, f"server RSS {after:.0f} MB"
+
+
+@pytest.mark.parametrize("n", [2, 3, 10, 17, 1000, 100_003, 2**31 + 7, 2**40 + 123, 2**62])
+def test_the_walks_tail_in_python_ints_gives_numpys_values(n: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The last values of a cycle-walk finish in Python ints (epoch_plan._SCALAR_TAIL): the
+    same bits as NumPy's uint64 rounds, for every n up to the supported 2**62, and a scalar
+    position gives what an array does."""
+    from croupier.protocol import epoch_plan
+
+    rng = np.random.default_rng(n % 1000)
+    x = np.unique(rng.integers(0, n, size=min(n, 4000), dtype=np.uint64))
+    got = {}
+    for tail in (0, 16, 1 << 30):  # NumPy only, the default, Python ints only
+        monkeypatch.setattr(epoch_plan, "_SCALAR_TAIL", tail)
+        got[tail] = Permutation(n, 7, 2)(x)
+    assert np.array_equal(got[0], got[16]) and np.array_equal(got[0], got[1 << 30])
+    assert int(Permutation(n, 7, 2)(int(x[-1]))) == int(got[0][-1])
