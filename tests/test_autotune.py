@@ -21,7 +21,8 @@ import pyarrow as pa
 import pytest
 
 from croupier.server.stream.tuner import (AHEAD_BATCHES, AHEAD_LEAD, FLUSH_MAX_S, MIN_READS, PROBE_EVERY_S, SIBLING_LEAD,
-                                          SIBLING_SETTLED, START_READS, Autotuner, Phase, StreamTuner)
+                                          SIBLING_SETTLED, START_READS, WINDOW_MIN_SAMPLES, Autotuner, Phase,
+                                          StreamTuner)
 from croupier.protocol.epoch_plan import EpochPlan
 from croupier.server.stream.dealer import Dealer
 from croupier.server.stream.fetch_limits import FetchLimits
@@ -310,6 +311,18 @@ def test_a_chunk_is_given_the_time_to_fill_before_its_flush(demand: float) -> No
     run(tuner, clock, Model(0.001, demand), 20)  # the client drains: it does not wait on reads
     s = tuner.settings
     assert s.flush_delay_s >= min(FLUSH_MAX_S, s.chunk_samples / demand)
+
+
+@pytest.mark.parametrize("batch_size,want", [(16, 8), (64, 2), (256, 2)])
+def test_the_read_ahead_holds_two_chunks_of_small_batches(batch_size: int, want: int) -> None:
+    # Batches of 16 (and 16 reads in flight): 8 batches ahead, twice WINDOW_MIN_SAMPLES, so
+    # that what completes while one message is written fills the next, not a message a batch.
+    _, tuner, clock = make(batch_size=batch_size)
+    assert (tuner.settings.reads, tuner.settings.chunk_samples) == (START_READS, 64)
+    assert tuner.settings.prefetch == want
+    run(tuner, clock, Model(0.0005, 5_000), 6)  # a slow client: bounds stay low, chunks at their floor
+    s = tuner.settings
+    assert s.prefetch == max(2, math.ceil(2 * max(s.reads, WINDOW_MIN_SAMPLES) / batch_size))
 
 
 def test_unknown_pins_are_refused() -> None:

@@ -41,9 +41,11 @@ def _write_table(path: Path, rows: int = ROWS, row_bytes: int = ROW_BYTES) -> No
 class GatedReader(Reader):
     """The served reader, counting reads per index; reads wait on `gate` while it is set up."""
 
-    def __init__(self, inner: Reader):
+    def __init__(self, inner: Reader, read_first: bool = False):
         super().__init__(inner.name, inner.path, inner.executor, inner.store)
         self.inner = inner
+        self.read_first = read_first  # read, then wait on the gate: all land in its turn
+        self.held = 0  # reads done and waiting on the gate (read_first)
         self.format = inner.format  # type: ignore[misc]
         self.gate: asyncio.Event | None = None
         self.reads: collections.Counter[int] = collections.Counter()
@@ -56,9 +58,11 @@ class GatedReader(Reader):
 
     async def read(self, index: int, columns: Sequence[str] = ()) -> Any:
         self.reads[index] += 1
+        value = await self.inner.read(index, columns) if self.read_first else None
+        self.held += self.read_first
         if self.gate is not None:
             await self.gate.wait()
-        return await self.inner.read(index, columns)
+        return value if self.read_first else await self.inner.read(index, columns)
 
     def item_sizer(self, columns: Sequence[str] = ()):
         return self.inner.item_sizer(columns)
@@ -126,10 +130,10 @@ def _expected_batches(got: Received, opts: StreamOptions, rows: int = ROWS) -> N
     assert sorted(got.completed) == sorted(got.batches())
 
 
-def _install_gate(server, name: str) -> GatedReader:
+def _install_gate(server, name: str, read_first: bool = False) -> GatedReader:
     async def install() -> GatedReader:
         catalog = server.running.catalog
-        gated = GatedReader(catalog._by_name[name])
+        gated = GatedReader(catalog._by_name[name], read_first)
         gated.gate = asyncio.Event()
         catalog._by_name[name] = gated
         return gated
@@ -335,3 +339,36 @@ def test_resume_within_a_shared_epoch(serve_inprocess, table: Path) -> None:
     # Batches 5..19 were read once for both streams; batches from 30 once more by the one ahead.
     for (b, _p), (index, _pad, _r) in got[0].samples.items():
         assert gated.reads[index] == (2 if b >= 30 else 1), (b, index)
+
+
+def test_batches_completed_together_go_in_one_message_not_one_each(serve_inprocess, table: Path) -> None:
+    """A batch that completes is sent at once (urgent), and what has arrived of the batches
+    after it goes in the same message, up to the chunk's size: a message costs the server's
+    loop about 100 us in grpc whatever its size. Here every read of the first window waits on
+    a gate, so when it opens four batches of 16 complete in one turn of the loop: one message
+    of 64 samples, where each batch used to go alone."""
+    from croupier.server.stream.fetch_limits import FetchLimits
+
+    server = serve_inprocess(datasets=[f"rows={table}"], autotune=False,
+                             limits=FetchLimits(chunk_samples=64, default_prefetch=4, flush_delay_s=5.0,
+                                                max_reads_per_stream=64))
+    gated = _install_gate(server, "rows", read_first=True)  # after the gate, each read lands in the same turn
+    opts = StreamOptions(dataset="rows", batch_size=16, seed=3, epoch=0, prefetch=3)
+
+    async def run() -> list[tuple[int, list[int]]]:
+        messages: list[tuple[int, list[int]]] = []
+        async with grpc.aio.insecure_channel(server.address) as channel:
+            call = pb_grpc.CroupierStub(channel).StreamEpoch(opts.to_proto())
+            async for msg in call:
+                if msg.WhichOneof("kind") == "chunk":
+                    messages.append((len(msg.chunk.indices), list(msg.chunk.completed_batches)))
+                    if sum(n for n, _ in messages) >= 64:
+                        call.cancel()
+                        break
+                elif not gated.gate.is_set():
+                    await _wait_for(lambda: gated.held >= 64, "the first window's reads")
+                    _open_gate(server, gated)
+        return messages
+
+    messages = asyncio.run(run())
+    assert messages[0] == (64, [0, 1, 2, 3]), messages

@@ -56,7 +56,10 @@ in-flight bound, and the event loop's CPU time.
   same run then ended the ranks' cold epochs 0.2-0.8 s apart. A rank whose reads do not
   queue grows freely.
 * Read-ahead (prefetch, in batches) keeps twice the in-flight bound in the window, so a
-  batch waiting on its slowest read does not drain the pipeline.
+  batch waiting on its slowest read does not drain the pipeline, and at least twice
+  WINDOW_MIN_SAMPLES: batches of 16 completed while a message was written then ride along
+  in the next message (PendingChunk.at_limits) instead of one message each (one Loader
+  rank, page-cached 1 KB rows at batch 16: 32,000-58,000 rows/s against 30,000-34,000).
 * Chunk samples follow the drain rate (about CHUNK_TIME_S of samples per message, a
   power of two, within the chunk byte limit): fewer, larger messages for a fast client.
   The flush delay is the time to fill a chunk at the drain rate, shortened to 2 ms while
@@ -104,6 +107,8 @@ log = logging.getLogger("croupier.autotune")
 TUNED = ("max_reads_per_stream", "default_prefetch", "chunk_samples", "flush_delay_s")
 
 HEADROOM = 2.0
+#: The read-ahead holds at least twice this many samples, however small the batches.
+WINDOW_MIN_SAMPLES = 64
 START_READS = 16
 MIN_READS = 4
 MIN_COMPLETIONS = 32
@@ -337,7 +342,11 @@ class StreamTuner:
         return self._probe_from if self._probe_from is not None else self.settings.reads
 
     def _prefetch_for(self, reads: int) -> int:
-        return max(2, min(self.server.limits.max_prefetch, math.ceil(HEADROOM * reads / self.batch_size)))
+        """Batches of read-ahead: twice the in-flight bound, and at least twice
+        WINDOW_MIN_SAMPLES (small batches: what completes while a message is written goes in
+        the next, not in one message a batch, each about 100 us of the loop's time in grpc)."""
+        return max(2, min(self.server.limits.max_prefetch,
+                          math.ceil(HEADROOM * max(reads, WINDOW_MIN_SAMPLES) / self.batch_size)))
 
     # ---- the period -----------------------------------------------------------------
     def maybe_decide(self) -> Settings | None:
