@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 
 from croupier.bench.s3server import RunningServer, running
+from croupier.server.storage.urls import clear_cache
 
 CREDENTIALS = {"access_key_id": "testing", "secret_access_key": "testing", "region": "us-east-1"}
 
@@ -25,6 +26,15 @@ class S3Backend:
     endpoint: str
     server: RunningServer | None = None  # the own server: stats()
     _client: Any = field(default=None, repr=False)
+
+    def point_env_at(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        """The environment's AWS_* variables pointed at this server (as a user sets them for
+        `croupier serve s3://...`), and the stores made from the old ones forgotten."""
+        for key, value in {"AWS_ENDPOINT_URL": self.endpoint, "AWS_ACCESS_KEY_ID": CREDENTIALS["access_key_id"],
+                           "AWS_SECRET_ACCESS_KEY": CREDENTIALS["secret_access_key"],
+                           "AWS_REGION": CREDENTIALS["region"]}.items():
+            monkeypatch.setenv(key, value)
+        clear_cache()
 
     def options(self, **extra: Any) -> dict[str, Any]:
         """ObjectStore options for this server (explicit: nothing comes from the environment)."""

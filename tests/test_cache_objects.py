@@ -73,10 +73,7 @@ def _shards(s3: S3Backend, bucket: str, n: int, per_shard: int) -> int:
 
 @pytest.fixture
 def aws_env(slow_s3: S3Backend, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    for key, value in {"AWS_ENDPOINT_URL": slow_s3.endpoint, "AWS_ACCESS_KEY_ID": "testing",
-                       "AWS_SECRET_ACCESS_KEY": "testing", "AWS_REGION": "us-east-1"}.items():
-        monkeypatch.setenv(key, value)
-    clear_cache()
+    slow_s3.point_env_at(monkeypatch)
     yield
     clear_cache()
 

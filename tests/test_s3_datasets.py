@@ -31,14 +31,7 @@ def _upload(s3: S3Backend, folder: Path, bucket: str, prefix: str) -> None:
 @pytest.fixture
 def aws_env(monkeypatch: pytest.MonkeyPatch):
     def point_at(s3: S3Backend) -> None:
-        for key, value in {
-            "AWS_ENDPOINT_URL": s3.endpoint,
-            "AWS_ACCESS_KEY_ID": "testing",
-            "AWS_SECRET_ACCESS_KEY": "testing",
-            "AWS_REGION": "us-east-1",
-        }.items():
-            monkeypatch.setenv(key, value)
-        clear_cache()
+        s3.point_env_at(monkeypatch)
 
     yield point_at
     clear_cache()

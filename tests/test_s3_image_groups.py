@@ -34,10 +34,7 @@ def s3() -> Iterator[S3Backend]:
 
 @pytest.fixture
 def aws_env(s3: S3Backend, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    for key, value in {"AWS_ENDPOINT_URL": s3.endpoint, "AWS_ACCESS_KEY_ID": "testing",
-                       "AWS_SECRET_ACCESS_KEY": "testing", "AWS_REGION": "us-east-1"}.items():
-        monkeypatch.setenv(key, value)
-    clear_cache()
+    s3.point_env_at(monkeypatch)
     yield
     clear_cache()
 
