@@ -138,7 +138,8 @@ class BatchAssembler:
         source: list[int] | None = None  # row of the chunk that each (sorted) sample came from
         if any(map(operator.gt, batches, batches[1:])):
             source = sorted(range(len(batches)), key=batches.__getitem__)
-            batches, positions, indices = [batches[i] for i in source], [positions[i] for i in source], [indices[i] for i in source]
+            batches, positions = [batches[i] for i in source], [positions[i] for i in source]
+            indices = [indices[i] for i in source]
             padding = [padding[i] for i in source] if padding is not None else None
         cuts = [0, *itertools.compress(range(1, len(batches)), map(operator.ne, batches[1:], batches)), len(batches)]
         return batches, positions, indices, padding, source, cuts
@@ -193,8 +194,8 @@ class BatchAssembler:
             p.parts.append((record_batch.slice(a, e - a), pos))
         elif p.images is not None:
             images, into = chunk.images, p.images
-            for r, q in zip(source[a:e].tolist() if isinstance(source, np.ndarray) else source[a:e] if source is not None
-                            else range(a, e), pos.tolist() if isinstance(pos, np.ndarray) else pos):
+            rows = range(a, e) if source is None else np.asarray(source[a:e]).tolist()  # the chunk's rows
+            for r, q in zip(rows, np.asarray(pos).tolist()):
                 into[q] = images[r]
 
     def _completed(self, chunk: pb.Chunk) -> list[RawBatch]:

@@ -569,7 +569,8 @@ class Subscriber:
                 return  # not read yet (batches are read in order)
             t = self.taken.get(b, 0)
             arrivals = rec.arrivals
-            if pending.urgent and (t or len(arrivals) < rec.size or len(pending.refs) + rec.size > limits.chunk_samples):
+            if pending.urgent and (t or len(arrivals) < rec.size
+                                   or len(pending.refs) + rec.size > limits.chunk_samples):
                 return  # due now: only whole batches that fit ride along (see PendingChunk.at_limits)
             if t < len(arrivals):
                 if t == 0:
