@@ -6,7 +6,6 @@ bit for bit, whatever order the network delivered its samples in.
 
 from __future__ import annotations
 
-import collections
 import itertools
 import operator
 from dataclasses import dataclass, field
@@ -153,7 +152,7 @@ class BatchAssembler:
         before = np.maximum.accumulate(np.concatenate(([self.stats._high], keys)))
         self.stats.out_of_order += int((keys < before[:-1]).sum())
         self.stats._high = int(before[-1])
-        self._check_ranges(int(b.min()), int(b.max()), int(q.min()), int(q.max()), b.tolist(), q.tolist())
+        self._check_ranges(int(b.min()), int(b.max()), int(q.min()), int(q.max()), b, q)
         source = None
         if (b[1:] < b[:-1]).any():
             order = np.argsort(b, kind="stable")
@@ -162,14 +161,16 @@ class BatchAssembler:
         cuts = [0, *(np.flatnonzero(b[1:] != b[:-1]) + 1).tolist(), len(b)]
         return b, q, i, f, source, cuts
 
-    def _check_ranges(self, lo: int, hi: int, qlo: int, qhi: int, batches: list[int], positions: list[int]) -> None:
-        """Refuse tags outside the stream's batches, or outside their batch, naming the first."""
+    def _check_ranges(self, lo: int, hi: int, qlo: int, qhi: int, batches: Any, positions: Any) -> None:
+        """Refuse tags (lists or arrays) outside the stream's batches, or outside their batch,
+        naming the first; from their bounds, walking them only where those say one may be."""
         h = self.header
         if lo < h.start_batch or hi >= h.end_batch:
+            batches = np.asarray(batches).tolist()
             self._size(next(b for b in batches if not h.start_batch <= b < h.end_batch))  # raises, naming it
         last = h.num_batches - 1
         if qlo < 0 or qhi >= min(h.batch_size, h.last_batch_size if lo <= last <= hi else h.batch_size):
-            for b, q in zip(batches, positions):
+            for b, q in zip(np.asarray(batches).tolist(), np.asarray(positions).tolist()):
                 size = h.last_batch_size if b == last else h.batch_size
                 if not 0 <= q < size:
                     raise ProtocolError(f"position {q} outside 0..{size - 1} in batch {b}")

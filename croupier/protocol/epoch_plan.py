@@ -140,11 +140,11 @@ class Permutation:
         # in Python ints: a NumPy pass costs its ~60 calls' fixed cost however few values
         # it has (a batch of 16 took 680 us, nearly all in its walk's tail).
         n = self.n
-        left = np.flatnonzero(y >= np.uint64(n))
-        while left.size > _SCALAR_TAIL:
-            y[left] = self._feistel(y[left])
-            left = left[y[left] >= np.uint64(n)]
-        for i in left.tolist():
+        walking = np.flatnonzero(y >= np.uint64(n))
+        while walking.size > _SCALAR_TAIL:
+            y[walking] = self._feistel(y[walking])
+            walking = walking[y[walking] >= np.uint64(n)]
+        for i in walking.tolist():
             v = self._feistel_int(int(y[i]))
             while v >= n:
                 v = self._feistel_int(v)

@@ -58,9 +58,14 @@ class CachedObjectStore(CachedStore):
         data = await self.inner.read(path, 0, -1)
         stats.misses += 1
         stats.miss_bytes += len(data)
-        if key is not None and key.size and len(data) == key.size and not self.cache.cached(key, 0):
-            await admit(self.cache, key, data, wait=False)
+        if self._keeps(key, data):
+            await admit(self.cache, key, data, wait=False)  # type: ignore[arg-type]
         return data
+
+    def _keeps(self, key: FileKey | None, data: bytes) -> bool:
+        """What a read of an object returned is kept: under its listing's version, all of it,
+        not held already."""
+        return key is not None and key.size > 0 and len(data) == key.size and not self.cache.cached(key, 0)
 
     def _whole_key(self, path: str) -> FileKey | None:
         """The version an object read whole is cached under: its listing's (None: listed by
@@ -109,7 +114,7 @@ class CachedObjectStore(CachedStore):
                         done: Landed) -> None:
         """Objects of a group read from the store: kept in memory where the budget has room
         (as `_read_whole` keeps them), counted as misses, handed over by their positions."""
-        stats, cache = self.cache.stats, self.cache
+        stats = self.cache.stats
         out: Landed = []
         for j, data, err in done:
             i = misses[j]
@@ -118,9 +123,8 @@ class CachedObjectStore(CachedStore):
                 continue
             stats.misses += 1
             stats.miss_bytes += len(data)
-            key = keys[i]
-            if key is not None and key.size and len(data) == key.size and not cache.cached(key, 0):
-                to_memory(cache, key, data)
+            if self._keeps(keys[i], data):
+                to_memory(self.cache, keys[i], data)  # type: ignore[arg-type]  # no disk tier on this path
         callback(out)
 
     def forget_whole_files(self) -> None:

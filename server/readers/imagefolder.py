@@ -174,12 +174,11 @@ class ImageFolderReader(Reader):
         # Sound JPEGs (most images) checked by one call for the group and made items here;
         # anything else through `_item`, which names what is wrong.
         item, keys, labels, base = self._item, self.keys, self.labels, self._url_base
-        where = None if base is not None else self._where
         out = []
         for (pos, data, err), sound in zip(got, sound_jpegs(got)):
             if sound:
                 i, path = indices[pos], paths[pos]
-                name = (base + path if base else path) if where is None else where(path)
+                name = base + path if base is not None else self._where(path)
                 out.append((pos, ImageItem(i, data, labels[i], "jpeg", keys[i], name), None))
             else:
                 out.append((pos, *item(indices[pos], paths[pos], data, err)))

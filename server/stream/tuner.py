@@ -67,7 +67,8 @@ in-flight bound, and the event loop's CPU time.
   design: on a server whose loop is the bottleneck the measured rate is its own, and each
   extra message lowered it, so chunks shrank to a quarter of the tuned size. With the full
   time and small chunks encoded on the loop, one rank of 1 KB text rows at batch 64 went
-  from 40,000-49,000 to 43,000-72,000 rows/s, alternated on one host: docs/DESIGN.md.) Both change only outside a wide dead band, confirmed over two periods.
+  from 40,000-49,000 to 43,000-72,000 rows/s, alternated on one host: docs/DESIGN.md.)
+  Both change only outside a wide dead band, confirmed over two periods.
 * Bounds: never above a pinned `--max-reads-per-stream`, this stream's share of
   `--max-reads` (the total over streams), the reads whose bytes fit in the stream's
   `--max-buffered-mb` and its share of `--max-buffered-total-mb`, or `--max-prefetch`.
